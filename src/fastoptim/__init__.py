@@ -1,0 +1,12 @@
+"""fastoptim: torch.optim drop-in optimizers, each written once and run at the level you choose."""
+
+from .factory import create, param_groups
+from .levels import IMPLS
+from .optimizer import FastOptimizer
+from .optimizers import SGD, Adagrad, Adam, AdamW, Lion, RMSprop
+from .registry import OPTIMIZERS
+
+__version__ = "0.1.0"
+
+__all__ = ["SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Lion", "FastOptimizer", "create", "param_groups",
+           "OPTIMIZERS", "IMPLS", "__version__"]

@@ -1,0 +1,68 @@
+"""The foreach level: the rule runs once over whole tensor lists through ``torch._foreach_*`` kernels.
+
+``TensorList`` gives a list of tensors the arithmetic operators a rule uses, so the rule's single source
+runs here unchanged; each operator is one horizontal-fusion call over the list.
+"""
+
+from __future__ import annotations
+
+from numbers import Number
+from typing import Callable, Sequence
+
+import torch
+from torch import Tensor
+
+
+class TensorList:
+    __slots__ = ("tensors",)
+
+    def __init__(self, tensors: list[Tensor]):
+        self.tensors = tensors
+
+    @staticmethod
+    def _binary(op, a, b):
+        return TensorList(op(a.tensors, b.tensors if isinstance(b, TensorList) else b))
+
+    def __add__(self, other):
+        return self._binary(torch._foreach_add, self, other)
+
+    __radd__ = __add__
+
+    def __sub__(self, other):
+        return self._binary(torch._foreach_sub, self, other)
+
+    def __rsub__(self, other: Number):
+        return TensorList(torch._foreach_add(torch._foreach_neg(self.tensors), other))
+
+    def __mul__(self, other):
+        return self._binary(torch._foreach_mul, self, other)
+
+    __rmul__ = __mul__
+
+    def __truediv__(self, other):
+        return self._binary(torch._foreach_div, self, other)
+
+    def __rtruediv__(self, other: Number):
+        return TensorList(torch._foreach_mul(torch._foreach_reciprocal(self.tensors), other))
+
+    def __neg__(self):
+        return TensorList(torch._foreach_neg(self.tensors))
+
+    def sqrt(self):
+        return TensorList(torch._foreach_sqrt(self.tensors))
+
+    def sign(self):
+        return TensorList(torch._foreach_sign(self.tensors))
+
+    def maximum(self, other):
+        return self._binary(torch._foreach_maximum, self, other)
+
+
+def run(update: Callable, params: list[Tensor], grads: list[Tensor], states: Sequence[list[Tensor] | None],
+        scalars: tuple, flags: tuple) -> None:
+    wrapped = [None if s is None else TensorList(s) for s in states]
+    new_p, *new_states = update(TensorList(params), TensorList(grads), *wrapped, *scalars, *flags)
+    torch._foreach_copy_(params, new_p.tensors)
+    for s, new in zip(states, new_states):
+        if s is not None:
+            torch._foreach_copy_(s, new.tensors)

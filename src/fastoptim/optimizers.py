@@ -1,0 +1,73 @@
+"""The public optimizer classes: torch.optim's signatures and defaults, plus ``impl=``.
+
+``impl`` picks the level ("auto", "loop", "foreach"; see ``fastoptim.IMPLS``). torch.optim's own
+``foreach=True`` / ``fused=True`` are accepted as spellings of ``impl="foreach"`` / ``impl="fused"``.
+"""
+
+from __future__ import annotations
+
+from .optimizer import FastOptimizer
+from .rules import AdagradRule, AdamRule, LionRule, RMSpropRule, SGDRule
+
+
+def _impl(impl: str, foreach: bool | None, fused: bool | None) -> str:
+    if fused and foreach:
+        raise ValueError("foreach=True and fused=True cannot both be set")
+    if impl == "auto":
+        return "fused" if fused else "foreach" if foreach else "auto"
+    return impl
+
+
+class SGD(FastOptimizer):
+    rule = SGDRule()
+
+    def __init__(self, params, lr=1e-3, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False, *,
+                 maximize=False, impl="auto", foreach=None, fused=None):
+        super().__init__(params, _impl(impl, foreach, fused), lr=lr, momentum=momentum, dampening=dampening,
+                         weight_decay=weight_decay, nesterov=nesterov, maximize=maximize)
+
+
+class Adam(FastOptimizer):
+    rule = AdamRule(decoupled=False)
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, amsgrad=False, *,
+                 maximize=False, impl="auto", foreach=None, fused=None):
+        super().__init__(params, _impl(impl, foreach, fused), lr=lr, betas=betas, eps=eps,
+                         weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize)
+
+
+class AdamW(FastOptimizer):
+    rule = AdamRule(decoupled=True)
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False, *,
+                 maximize=False, impl="auto", foreach=None, fused=None):
+        super().__init__(params, _impl(impl, foreach, fused), lr=lr, betas=betas, eps=eps,
+                         weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize)
+
+
+class RMSprop(FastOptimizer):
+    rule = RMSpropRule()
+
+    def __init__(self, params, lr=1e-2, alpha=0.99, eps=1e-8, weight_decay=0.0, momentum=0.0, centered=False, *,
+                 maximize=False, impl="auto", foreach=None, fused=None):
+        super().__init__(params, _impl(impl, foreach, fused), lr=lr, alpha=alpha, eps=eps,
+                         weight_decay=weight_decay, momentum=momentum, centered=centered, maximize=maximize)
+
+
+class Adagrad(FastOptimizer):
+    rule = AdagradRule()
+
+    def __init__(self, params, lr=1e-2, lr_decay=0.0, weight_decay=0.0, initial_accumulator_value=0.0,
+                 eps=1e-10, *, maximize=False, impl="auto", foreach=None, fused=None):
+        super().__init__(params, _impl(impl, foreach, fused), lr=lr, lr_decay=lr_decay,
+                         weight_decay=weight_decay, initial_accumulator_value=initial_accumulator_value,
+                         eps=eps, maximize=maximize)
+
+
+class Lion(FastOptimizer):
+    rule = LionRule()
+
+    def __init__(self, params, lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0, *,
+                 maximize=False, impl="auto", foreach=None, fused=None):
+        super().__init__(params, _impl(impl, foreach, fused), lr=lr, betas=betas, weight_decay=weight_decay,
+                         maximize=maximize)

@@ -1,0 +1,64 @@
+"""The one list of optimizers. Exports, ``create()``, CLI choices and the test matrix all come from here.
+
+``option_sets`` are the hyper-parameter combinations that together turn on every flag of the rule; the
+test suite runs each of them at every level against ``reference`` (a torch.optim class name, or None when
+fastoptim's loop level is checked against a plain reference loop in the tests instead).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from . import optimizers
+from .optimizer import FastOptimizer
+
+
+@dataclass(frozen=True)
+class OptimizerSpec:
+    name: str
+    cls: type[FastOptimizer]
+    reference: str | None
+    option_sets: tuple[dict, ...]
+
+
+OPTIMIZERS: dict[str, OptimizerSpec] = {spec.name: spec for spec in (
+    OptimizerSpec("sgd", optimizers.SGD, "SGD", (
+        dict(lr=0.1),
+        dict(lr=0.05, momentum=0.9),
+        dict(lr=0.05, momentum=0.9, dampening=0.3, weight_decay=0.1),
+        dict(lr=0.05, momentum=0.8, nesterov=True, weight_decay=0.05, maximize=True),
+    )),
+    OptimizerSpec("adam", optimizers.Adam, "Adam", (
+        dict(lr=1e-2),
+        dict(lr=1e-2, betas=(0.8, 0.9), weight_decay=0.1, eps=1e-6),
+        dict(lr=1e-2, amsgrad=True, maximize=True, weight_decay=0.05),
+    )),
+    OptimizerSpec("adamw", optimizers.AdamW, "AdamW", (
+        dict(lr=1e-2),
+        dict(lr=1e-2, betas=(0.8, 0.9), weight_decay=0.3),
+        dict(lr=1e-2, amsgrad=True, maximize=True, weight_decay=0.0),
+    )),
+    OptimizerSpec("rmsprop", optimizers.RMSprop, "RMSprop", (
+        dict(lr=1e-2),
+        dict(lr=1e-2, momentum=0.9, weight_decay=0.1),
+        dict(lr=1e-2, centered=True, alpha=0.9, maximize=True),
+        dict(lr=1e-2, centered=True, momentum=0.5, eps=1e-4),
+    )),
+    OptimizerSpec("adagrad", optimizers.Adagrad, "Adagrad", (
+        dict(lr=1e-1),
+        dict(lr=1e-1, lr_decay=0.01, weight_decay=0.1, initial_accumulator_value=0.1),
+        dict(lr=1e-1, maximize=True, eps=1e-6),
+    )),
+    OptimizerSpec("lion", optimizers.Lion, None, (
+        dict(lr=1e-3),
+        dict(lr=1e-3, betas=(0.95, 0.98), weight_decay=0.5),
+        dict(lr=1e-3, maximize=True, weight_decay=0.1),
+    )),
+)}
+
+
+def get(name: str) -> OptimizerSpec:
+    spec = OPTIMIZERS.get(name.lower())
+    if spec is None:
+        raise ValueError(f"Unknown optimizer {name!r}; valid names: {', '.join(OPTIMIZERS)}")
+    return spec

@@ -1,0 +1,47 @@
+r"""Adagrad (Duchi et al. 2011), torch.optim.Adagrad's semantics.
+
+    g <- -g                         if maximize
+    g <- g + wd * p                 if weight_decay != 0
+    s <- s + g^2                    (s starts at initial_accumulator_value)
+    p <- p - lr / (1 + (t - 1) lr_decay) * g / (sqrt(s) + eps)
+"""
+
+from __future__ import annotations
+
+from .base import Rule, _number, check_bool, check_nonnegative
+from .prims import sqrt
+
+
+def adagrad_update(p, g, state_sum,
+                   clr, eps, weight_decay,
+                   MAXIMIZE, WEIGHT_DECAY):
+    if MAXIMIZE:
+        g = -g
+    if WEIGHT_DECAY:
+        g = g + weight_decay * p
+    state_sum = state_sum + g * g
+    p = p - clr * (g / (sqrt(state_sum) + eps))
+    return p, state_sum
+
+
+class AdagradRule(Rule):
+    name = "adagrad"
+    defaults = dict(lr=1e-2, lr_decay=0.0, weight_decay=0.0, initial_accumulator_value=0.0, eps=1e-10,
+                    maximize=False)
+    state_names = ("sum",)
+    eager_state = True
+    update = staticmethod(adagrad_update)
+
+    def validate(self, group):
+        check_nonnegative(group, "lr", "lr_decay", "weight_decay", "initial_accumulator_value", "eps")
+        check_bool(group, "maximize")
+
+    def flags(self, group):
+        return (group["maximize"], group["weight_decay"] != 0)
+
+    def scalars(self, group, step):
+        clr = float(group["lr"]) / (1 + (step - 1) * float(group["lr_decay"]))
+        return (clr, float(group["eps"]), float(group["weight_decay"]))
+
+    def initial_value(self, name, group):
+        return _number("initial_accumulator_value", group["initial_accumulator_value"])

@@ -1,0 +1,66 @@
+r"""Adam (Kingma & Ba 2015) and AdamW (Loshchilov & Hutter 2019), torch.optim.Adam/AdamW's semantics.
+
+    g <- -g                         if maximize
+    g <- g + wd * p                 Adam, if weight_decay != 0
+    p <- p * (1 - lr * wd)          AdamW (decoupled decay)
+    m <- m + (1 - b1) (g - m)
+    v <- b2 v + (1 - b2) g^2
+    v_max <- max(v_max, v)          if amsgrad (the denominator then uses v_max)
+    p <- p - lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)
+"""
+
+from __future__ import annotations
+
+from .base import Rule, check_betas, check_bool, check_nonnegative
+from .prims import maximum, sqrt
+
+
+def adam_update(p, g, exp_avg, exp_avg_sq, max_exp_avg_sq,
+                step_size, beta1, beta2, eps, weight_decay, decay_factor, bias_correction2_sqrt,
+                MAXIMIZE, WEIGHT_DECAY, DECOUPLED, AMSGRAD):
+    if MAXIMIZE:
+        g = -g
+    if WEIGHT_DECAY:
+        if DECOUPLED:
+            p = p * decay_factor
+        else:
+            g = g + weight_decay * p
+    exp_avg = exp_avg + (g - exp_avg) * (1.0 - beta1)
+    exp_avg_sq = exp_avg_sq * beta2 + g * g * (1.0 - beta2)
+    if AMSGRAD:
+        max_exp_avg_sq = maximum(max_exp_avg_sq, exp_avg_sq)
+        denom = sqrt(max_exp_avg_sq) / bias_correction2_sqrt + eps
+    else:
+        denom = sqrt(exp_avg_sq) / bias_correction2_sqrt + eps
+    p = p - step_size * (exp_avg / denom)
+    return p, exp_avg, exp_avg_sq, max_exp_avg_sq
+
+
+class AdamRule(Rule):
+    state_names = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+    update = staticmethod(adam_update)
+
+    def __init__(self, decoupled: bool):
+        self.decoupled = decoupled
+        self.name = "adamw" if decoupled else "adam"
+        self.defaults = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2 if decoupled else 0.0,
+                             amsgrad=False, maximize=False)
+
+    def validate(self, group):
+        check_nonnegative(group, "lr", "eps", "weight_decay")
+        check_betas(group)
+        check_bool(group, "amsgrad", "maximize")
+
+    def active(self, group):
+        return (True, True, group["amsgrad"])
+
+    def flags(self, group):
+        return (group["maximize"], group["weight_decay"] != 0, self.decoupled, group["amsgrad"])
+
+    def scalars(self, group, step):
+        lr, wd = float(group["lr"]), float(group["weight_decay"])
+        beta1, beta2 = (float(b) for b in group["betas"])
+        bias_correction1 = 1 - beta1 ** step
+        bias_correction2 = 1 - beta2 ** step
+        return (lr / bias_correction1, beta1, beta2, float(group["eps"]), wd, 1 - lr * wd,
+                bias_correction2 ** 0.5)

@@ -1,0 +1,85 @@
+"""The rule contract: one optimizer's math, written once, independent of how it runs.
+
+A rule supplies
+  * ``defaults``      torch.optim's hyper-parameter names and default values;
+  * ``state_names``   torch.optim's state names, in torch's order (``step`` excluded);
+  * ``validate``      raises ``ValueError`` naming the bad hyper-parameter;
+  * ``active``        which of ``state_names`` a group needs (e.g. ``max_exp_avg_sq`` only with amsgrad);
+  * ``flags``         booleans fixed for a run (branch conditions inside ``update``);
+  * ``scalars``       host-side numbers for one step (bias corrections, step size, ``1 - lr*wd``);
+  * ``update``        the elementwise math: ``update(p, g, *states, *scalars, *FLAGS) -> (p, *states)``.
+
+``update`` receives every state in ``state_names`` order, ``None`` for the inactive ones, and returns them
+in the same order (inactive ones passed through). It uses arithmetic operators and ``prims`` only.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, ClassVar
+
+
+class Rule:
+    name: ClassVar[str]
+    defaults: ClassVar[dict[str, Any]]
+    state_names: ClassVar[tuple[str, ...]]
+    # torch.optim keeps a ``step`` entry in this optimizer's per-param state
+    exports_step: ClassVar[bool] = True
+    # torch.optim creates this optimizer's state in __init__, not on the first step
+    eager_state: ClassVar[bool] = False
+    update: ClassVar[Callable[..., tuple]]
+
+    def validate(self, group: dict) -> None:
+        raise NotImplementedError
+
+    def active(self, group: dict) -> tuple[bool, ...]:
+        return (True,) * len(self.state_names)
+
+    def flags(self, group: dict) -> tuple[bool, ...]:
+        raise NotImplementedError
+
+    def scalars(self, group: dict, step: int) -> tuple[float, ...]:
+        raise NotImplementedError
+
+    def initial_value(self, name: str, group: dict) -> float:
+        return 0.0
+
+
+# --- shared validation helpers: each names the argument it rejects -----------------------------
+
+def _number(name: str, value: Any) -> float:
+    if hasattr(value, "numel") and value.numel() == 1:  # a 0-d tensor (lr on device, scheduled betas)
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__}: {value!r}")
+    if math.isnan(value):
+        raise ValueError(f"Invalid {name}: {value} (must not be NaN)")
+    return float(value)
+
+
+def check_nonnegative(group: dict, *names: str) -> None:
+    for name in names:
+        value = _number(name, group[name])
+        if value < 0.0:
+            raise ValueError(f"Invalid {name}: {value} (must be >= 0)")
+
+
+def check_unit_interval(name: str, value: Any) -> None:
+    """``value`` in [0, 1): the range of betas, alpha and momentum-like decay rates."""
+    value = _number(name, value)
+    if not 0.0 <= value < 1.0:
+        raise ValueError(f"Invalid {name}: {value} (must be in [0, 1))")
+
+
+def check_betas(group: dict) -> None:
+    betas = group["betas"]
+    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+        raise ValueError(f"Invalid betas: {betas!r} (must be a pair (beta1, beta2))")
+    for i, beta in enumerate(betas):
+        check_unit_interval(f"beta{i + 1} (betas[{i}])", beta)
+
+
+def check_bool(group: dict, *names: str) -> None:
+    for name in names:
+        if not isinstance(group[name], bool):
+            raise TypeError(f"{name} must be a bool, got {group[name]!r}")

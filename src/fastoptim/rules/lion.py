@@ -1,0 +1,45 @@
+r"""Lion, EvoLved Sign Momentum (Chen et al. 2023, "Symbolic Discovery of Optimization Algorithms").
+
+    g <- -g                         if maximize
+    p <- p * (1 - lr * wd)          decoupled weight decay
+    p <- p - lr * sign(b1 m + (1 - b1) g)
+    m <- b2 m + (1 - b2) g
+"""
+
+from __future__ import annotations
+
+from .base import Rule, check_betas, check_bool, check_nonnegative
+from .prims import sign
+
+
+def lion_update(p, g, exp_avg,
+                lr, beta1, beta2, decay_factor,
+                MAXIMIZE, WEIGHT_DECAY):
+    if MAXIMIZE:
+        g = -g
+    if WEIGHT_DECAY:
+        p = p * decay_factor
+    p = p - lr * sign(exp_avg * beta1 + g * (1.0 - beta1))
+    exp_avg = exp_avg * beta2 + g * (1.0 - beta2)
+    return p, exp_avg
+
+
+class LionRule(Rule):
+    name = "lion"
+    defaults = dict(lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0, maximize=False)
+    state_names = ("exp_avg",)
+    exports_step = False
+    update = staticmethod(lion_update)
+
+    def validate(self, group):
+        check_nonnegative(group, "lr", "weight_decay")
+        check_betas(group)
+        check_bool(group, "maximize")
+
+    def flags(self, group):
+        return (group["maximize"], group["weight_decay"] != 0)
+
+    def scalars(self, group, step):
+        lr = float(group["lr"])
+        beta1, beta2 = (float(b) for b in group["betas"])
+        return (lr, beta1, beta2, 1 - lr * float(group["weight_decay"]))

@@ -1,0 +1,58 @@
+r"""RMSprop (Hinton 2012; centered variant Graves 2013), torch.optim.RMSprop's semantics.
+
+    g <- -g                         if maximize
+    g <- g + wd * p                 if weight_decay != 0
+    s <- a s + (1 - a) g^2
+    c <- c + (1 - a) (g - c)        if centered;  d = sqrt(s - c^2) + eps,  else d = sqrt(s) + eps
+    b <- mu b + g / d;  p <- p - lr b    if momentum > 0
+    p <- p - lr g / d                    otherwise
+"""
+
+from __future__ import annotations
+
+from .base import Rule, check_bool, check_nonnegative, check_unit_interval
+from .prims import sqrt
+
+
+def rmsprop_update(p, g, square_avg, momentum_buffer, grad_avg,
+                   lr, alpha, eps, weight_decay, momentum,
+                   MAXIMIZE, WEIGHT_DECAY, MOMENTUM, CENTERED):
+    if MAXIMIZE:
+        g = -g
+    if WEIGHT_DECAY:
+        g = g + weight_decay * p
+    square_avg = square_avg * alpha + g * g * (1.0 - alpha)
+    if CENTERED:
+        grad_avg = grad_avg + (g - grad_avg) * (1.0 - alpha)
+        avg = sqrt(square_avg - grad_avg * grad_avg) + eps
+    else:
+        avg = sqrt(square_avg) + eps
+    if MOMENTUM:
+        momentum_buffer = momentum_buffer * momentum + g / avg
+        p = p - lr * momentum_buffer
+    else:
+        p = p - lr * (g / avg)
+    return p, square_avg, momentum_buffer, grad_avg
+
+
+class RMSpropRule(Rule):
+    name = "rmsprop"
+    defaults = dict(lr=1e-2, alpha=0.99, eps=1e-8, weight_decay=0.0, momentum=0.0, centered=False,
+                    maximize=False)
+    state_names = ("square_avg", "momentum_buffer", "grad_avg")
+    update = staticmethod(rmsprop_update)
+
+    def validate(self, group):
+        check_nonnegative(group, "lr", "eps", "weight_decay", "momentum")
+        check_unit_interval("alpha", group["alpha"])
+        check_bool(group, "centered", "maximize")
+
+    def active(self, group):
+        return (True, group["momentum"] > 0, group["centered"])
+
+    def flags(self, group):
+        return (group["maximize"], group["weight_decay"] != 0, group["momentum"] > 0, group["centered"])
+
+    def scalars(self, group, step):
+        return (float(group["lr"]), float(group["alpha"]), float(group["eps"]), float(group["weight_decay"]),
+                float(group["momentum"]))

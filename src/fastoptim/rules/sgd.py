@@ -1,0 +1,59 @@
+r"""SGD with momentum, dampening and Nesterov (Sutskever et al. 2013), torch.optim.SGD's semantics.
+
+    g <- -g                      if maximize
+    g <- g + wd * p              if weight_decay != 0
+    b <- g                       first step, if momentum != 0
+    b <- mu * b + (1 - tau) * g  later steps
+    g <- g + mu * b  (nesterov)  or  g <- b
+    p <- p - lr * g
+"""
+
+from __future__ import annotations
+
+from .base import Rule, check_bool, check_nonnegative, _number
+
+
+def sgd_update(p, g, momentum_buffer,
+               lr, momentum, weight_decay, buffer_decay, grad_weight,
+               MAXIMIZE, WEIGHT_DECAY, MOMENTUM, NESTEROV):
+    if MAXIMIZE:
+        g = -g
+    if WEIGHT_DECAY:
+        g = g + weight_decay * p
+    if MOMENTUM:
+        # first step: buffer_decay = 0 and grad_weight = 1 turn the zero-initialised buffer into g
+        momentum_buffer = momentum_buffer * buffer_decay + g * grad_weight
+        if NESTEROV:
+            g = g + momentum * momentum_buffer
+        else:
+            g = momentum_buffer
+    p = p - lr * g
+    return p, momentum_buffer
+
+
+class SGDRule(Rule):
+    name = "sgd"
+    defaults = dict(lr=1e-3, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False, maximize=False)
+    state_names = ("momentum_buffer",)
+    exports_step = False
+    update = staticmethod(sgd_update)
+
+    def validate(self, group):
+        check_nonnegative(group, "lr", "momentum", "weight_decay")
+        _number("dampening", group["dampening"])
+        check_bool(group, "nesterov", "maximize")
+        if group["nesterov"] and (_number("momentum", group["momentum"]) <= 0 or group["dampening"] != 0):
+            raise ValueError("nesterov=True requires momentum > 0 and dampening = 0 "
+                             f"(got momentum={group['momentum']}, dampening={group['dampening']})")
+
+    def active(self, group):
+        return (group["momentum"] != 0,)
+
+    def flags(self, group):
+        return (group["maximize"], group["weight_decay"] != 0, group["momentum"] != 0, group["nesterov"])
+
+    def scalars(self, group, step):
+        first = step == 1
+        return (float(group["lr"]), float(group["momentum"]), float(group["weight_decay"]),
+                0.0 if first else float(group["momentum"]),
+                1.0 if first else 1.0 - float(group["dampening"]))
