@@ -3,8 +3,9 @@
 A step validates every group before it touches anything (bad hyper-parameters or sparse grads leave
 params and state as they were), then, per group, buckets the params that have a grad by
 (device, dtype, step) and hands each bucket to the level with the host scalars of that step.
-Per-param ``step`` counters live in ``state`` as Python ints (no per-param tensor ops, no host syncs);
-``state_dict()`` writes them as torch.optim does (0-d float tensors) and ``load_state_dict`` reads both.
+Per-param ``step`` counters (for the optimizers torch keeps one for) live in ``state`` as Python ints:
+no per-param tensor ops, no host syncs. ``state_dict()`` writes them as torch.optim does (0-d float
+tensors) and ``load_state_dict`` reads both.
 """
 
 from __future__ import annotations
@@ -49,7 +50,8 @@ class FastOptimizer(torch.optim.Optimizer):
     def _init_state(self, p: Tensor, group: dict) -> dict:
         state = self.state[p]
         if not state:
-            state["step"] = 0
+            if self.rule.exports_step:
+                state["step"] = 0
             for name, needed in zip(self.rule.state_names, self.rule.active(group)):
                 if needed:
                     state[name] = self._new_state(p, name, group)
@@ -92,17 +94,23 @@ class FastOptimizer(torch.optim.Optimizer):
     def _step_group(self, group: dict, params: list[Tensor], grads: list[Tensor]) -> None:
         rule = self.rule
         names = [n for n, needed in zip(rule.state_names, rule.active(group)) if needed]
+        counts_steps = rule.exports_step
         buckets: dict[tuple, tuple[list, list, list]] = {}
         for p, g in zip(params, grads):
             state = self.state[p]
-            if not state:
+            fresh = not state
+            if fresh:
                 state = self._init_state(p, group)
             try:
                 tensors = [state[n] for n in names]
             except KeyError:  # a flag turned on mid-run (momentum 0 -> 0.9) needs a state it lacked
                 self._add_missing_state(p, state, group, names)
                 tensors = [state[n] for n in names]
-            state["step"] = step = state["step"] + 1
+                fresh = True
+            if counts_steps:
+                state["step"] = step = state["step"] + 1
+            else:  # torch keeps no counter here (SGD, Lion): the rule only tells a first step from later ones
+                step = 1 if fresh else 2
             if p.is_complex():  # elementwise on the real view, as torch.optim does
                 p, g = torch.view_as_real(p), torch.view_as_real(g)
                 tensors = [torch.view_as_real(t) for t in tensors]
@@ -145,8 +153,6 @@ class FastOptimizer(torch.optim.Optimizer):
             entry = {}
             for k, v in state.items():
                 if k == "step":
-                    if not self.rule.exports_step:
-                        continue
                     v = torch.tensor(float(v), dtype=scalar_dtype)
                 entry[k] = v
             exported[index] = entry
@@ -168,11 +174,9 @@ class FastOptimizer(torch.optim.Optimizer):
             for k, v in self.defaults.items():
                 group.setdefault(k, v)
         for s in self.state.values():
-            if not s:
-                continue
             step = s.get("step")
-            # no step in torch's SGD/Lion state: any existing state means at least one step was taken
-            s["step"] = 1 if step is None else int(step.item() if isinstance(step, Tensor) else step)
+            if isinstance(step, Tensor):
+                s["step"] = int(step.item())
 
     def _check_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Everything torch.optim would only find halfway through loading, found before anything changes."""
