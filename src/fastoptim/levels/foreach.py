@@ -12,6 +12,8 @@ from typing import Callable, Sequence
 import torch
 from torch import Tensor
 
+from .blocking import blocks
+
 
 class TensorList:
     __slots__ = ("tensors",)
@@ -60,9 +62,11 @@ class TensorList:
 
 def run(update: Callable, params: list[Tensor], grads: list[Tensor], states: Sequence[list[Tensor] | None],
         scalars: tuple, flags: tuple) -> None:
-    wrapped = [None if s is None else TensorList(s) for s in states]
-    new_p, *new_states = update(TensorList(params), TensorList(grads), *wrapped, *scalars, *flags)
-    torch._foreach_copy_(params, new_p.tensors)
-    for s, new in zip(states, new_states):
-        if s is not None:
-            torch._foreach_copy_(s, new.tensors)
+    parts = blocks(params, grads, states) if params[0].device.type == "cpu" else [(params, grads, states)]
+    for ps, gs, ss in parts:
+        wrapped = [None if s is None else TensorList(s) for s in ss]
+        new_p, *new_states = update(TensorList(ps), TensorList(gs), *wrapped, *scalars, *flags)
+        torch._foreach_copy_(ps, new_p.tensors)
+        for s, new in zip(ss, new_states):
+            if s is not None:
+                torch._foreach_copy_(s, new.tensors)

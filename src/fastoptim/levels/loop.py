@@ -6,13 +6,18 @@ from typing import Callable, Sequence
 
 from torch import Tensor
 
+from .blocking import BLOCK_NUMEL, _pieces
+
 
 def run(update: Callable, params: list[Tensor], grads: list[Tensor], states: Sequence[list[Tensor] | None],
         scalars: tuple, flags: tuple) -> None:
+    cpu = params[0].device.type == "cpu"
     for i, (p, g) in enumerate(zip(params, grads)):
         per_param = [None if s is None else s[i] for s in states]
-        new_p, *new_states = update(p, g, *per_param, *scalars, *flags)
-        p.copy_(new_p)
-        for s, new in zip(per_param, new_states):
-            if s is not None:
-                s.copy_(new)
+        pieces = _pieces(p, g, per_param, BLOCK_NUMEL) if cpu else [(p, g, per_param)]
+        for piece_p, piece_g, piece_states in pieces:
+            new_p, *new_states = update(piece_p, piece_g, *piece_states, *scalars, *flags)
+            piece_p.copy_(new_p)
+            for s, new in zip(piece_states, new_states):
+                if s is not None:
+                    s.copy_(new)

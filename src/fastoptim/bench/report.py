@@ -1,0 +1,111 @@
+"""The bench's table and JSON. The JSON schema is documented in README.md ("Bench JSON")."""
+
+from __future__ import annotations
+
+import json
+import math
+import platform
+from typing import Any
+
+import torch
+
+from .. import registry
+from .runner import Row
+
+SCHEMA_VERSION = 1
+# HBM bandwidth, bytes/s, for the paper estimate of a GPU step
+GPU_BANDWIDTH = {"H100": 3.35e12, "A100": 2.0e12}
+
+
+def bytes_per_param(optimizer: str, param_bytes: int = 4, state_bytes: int = 4) -> int:
+    """Bytes a memory-bound step moves per param: read p and g, write p; read and write every state."""
+    spec = registry.get(optimizer)
+    group = {**spec.cls.rule.defaults, **spec.option_sets[0]}
+    n_state = sum(spec.cls.rule.active(group))
+    return 3 * param_bytes + 2 * n_state * state_bytes
+
+
+def ratios(rows: list[Row]) -> tuple[float, float]:
+    floor = next((r.median_ms for r in rows if r.label == "flat floor"), math.nan)
+    fused = next((r.median_ms for r in rows if r.label == "torch fused"), math.nan)
+    return floor, fused
+
+
+def to_dict(workload: str, optimizer: str, n_params: int, n_tensors: int, rows: list[Row]) -> dict[str, Any]:
+    floor, fused = ratios(rows)
+    bpp = bytes_per_param(optimizer)
+    return {
+        "workload": workload, "optimizer": optimizer, "params": n_params, "tensors": n_tensors,
+        "bytes_per_param": bpp,
+        "gpu_estimate_ms": {gpu: bpp * n_params / bw * 1e3 for gpu, bw in GPU_BANDWIDTH.items()},
+        "rows": [{
+            "label": r.label, "library": r.library, "impl": r.impl, "flat": r.flat,
+            "median_ms": r.median_ms, "min_ms": r.spread_ms[0], "max_ms": r.spread_ms[1],
+            "samples": len(r.times_ms), "first_step_ms": r.first_step_ms, "state_mib": r.state_bytes / 2 ** 20,
+            "vs_torch_fused": r.median_ms / fused if fused == fused else None,
+            "vs_flat_floor": r.median_ms / floor if floor == floor else None,
+        } for r in rows],
+    }
+
+
+def environment() -> dict[str, Any]:
+    return {"torch": torch.__version__, "python": platform.python_version(), "machine": platform.machine(),
+            "threads": torch.get_num_threads()}
+
+
+def write_json(path: str, results: list[dict], config: dict) -> None:
+    with open(path, "w") as f:
+        json.dump({"schema_version": SCHEMA_VERSION, "environment": environment(), "config": config,
+                   "results": results}, f, indent=2)
+
+
+def _fmt(x: float | None, spec: str) -> str:
+    return "-" if x is None or x != x else format(x, spec)
+
+
+def table_rows(result: dict) -> list[list[str]]:
+    return [[r["label"], _fmt(r["median_ms"], ".2f"), f"{_fmt(r['min_ms'], '.2f')}-{_fmt(r['max_ms'], '.2f')}",
+             _fmt(r["vs_torch_fused"], ".2f"), _fmt(r["vs_flat_floor"], ".2f"), _fmt(r["state_mib"], ".1f"),
+             _fmt(r["first_step_ms"], ".1f")] for r in result["rows"]]
+
+
+HEADERS = ["row", "ms/step", "spread", "x torch fused", "x flat floor", "state MiB", "first step ms"]
+
+
+def title(result: dict) -> str:
+    est = ", ".join(f"{gpu} {ms:.3f} ms" for gpu, ms in result["gpu_estimate_ms"].items())
+    return (f"{result['optimizer']} on {result['workload']}: {result['params'] / 1e6:.1f}M params in "
+            f"{result['tensors']} tensors; GPU estimate at {result['bytes_per_param']} B/param: {est}")
+
+
+def print_tables(results: list[dict]) -> None:
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:
+        for result in results:
+            print(title(result))
+            print("  ".join(HEADERS))
+            for row in table_rows(result):
+                print("  ".join(row))
+            print()
+        return
+    console = Console()
+    console.width = max(console.width, 118)  # the table's natural width, also when piped
+    for result in results:
+        table = Table(title=title(result))
+        for i, h in enumerate(HEADERS):
+            table.add_column(h, justify="left" if i == 0 else "right")
+        for row in table_rows(result):
+            table.add_row(*row)
+        console.print(table)
+
+
+def markdown(results: list[dict]) -> str:
+    out = []
+    for result in results:
+        out += [f"**{title(result)}**", "", "| " + " | ".join(HEADERS) + " |",
+                "|" + "---|" * len(HEADERS)]
+        out += ["| " + " | ".join(row) + " |" for row in table_rows(result)]
+        out.append("")
+    return "\n".join(out)

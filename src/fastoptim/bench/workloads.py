@@ -1,0 +1,67 @@
+"""Parameter sets the bench steps: shapes only, filled with random values on demand."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+WORKLOADS = ("mlp2000", "gpt", "flat")
+
+
+def mlp2000_shapes() -> list[tuple[int, ...]]:
+    """The 2000-layer MLP of 64x64 Linear layers: 4000 small tensors (weights and biases), 8.3M params."""
+    return [s for _ in range(2000) for s in ((64, 64), (64,))]
+
+
+def gpt_shapes(n_params: int, n_layer: int = 12, vocab: int = 8192) -> list[tuple[int, ...]]:
+    """GPT-shaped tensors (token embedding, per block: norm, fused qkv, proj, norm, mlp up/down; final norm)
+    with the width chosen so the total is close to ``n_params``."""
+    # 12 d^2 per block (qkv 3d^2 + proj d^2 + mlp 8d^2) plus the embedding: solve for d, round to 64
+    a, b = 12 * n_layer, vocab
+    d = (-b + math.sqrt(b * b + 4 * a * n_params)) / (2 * a)
+    d = max(64, int(round(d / 64)) * 64)
+    shapes: list[tuple[int, ...]] = [(vocab, d)]
+    for _ in range(n_layer):
+        shapes += [(d,), (3 * d, d), (d, d), (d,), (4 * d, d), (d, 4 * d)]
+    shapes.append((d,))
+    return shapes
+
+
+def shapes_for(name: str, n_params: int) -> list[tuple[int, ...]]:
+    if name == "mlp2000":
+        return mlp2000_shapes()
+    if name == "gpt":
+        return gpt_shapes(n_params)
+    if name == "flat":
+        return [(n_params,)]
+    raise ValueError(f"Unknown workload {name!r}; valid: {', '.join(WORKLOADS)}")
+
+
+def numel(shapes: list[tuple[int, ...]]) -> int:
+    return sum(math.prod(s) for s in shapes)
+
+
+def make_params(shapes: list[tuple[int, ...]], seed: int = 0, dtype=torch.float32, device="cpu"):
+    """Params with fixed random grads attached (a step never clears them, so steps can repeat)."""
+    g = torch.Generator().manual_seed(seed)
+    params = []
+    for s in shapes:
+        p = torch.nn.Parameter(torch.randn(s, generator=g).to(dtype=dtype, device=device))
+        p.grad = torch.randn(s, generator=g).to(dtype=dtype, device=device) * 1e-2
+        params.append(p)
+    return params
+
+
+def parse_count(text: str) -> int:
+    """'25M', '1.5B', '300k', '1000' -> int."""
+    text = text.strip().upper()
+    scale = {"K": 10 ** 3, "M": 10 ** 6, "B": 10 ** 9}.get(text[-1:], 1)
+    number = text[:-1] if scale != 1 else text
+    try:
+        value = float(number) * scale
+    except ValueError:
+        raise ValueError(f"not a parameter count: {text!r} (examples: 25M, 1.5B, 300k)") from None
+    if value < 1:
+        raise ValueError(f"parameter count must be >= 1, got {text!r}")
+    return int(value)

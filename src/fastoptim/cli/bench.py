@@ -1,0 +1,87 @@
+"""``fastoptim bench``: one optimizer step, every level and torch.optim side by side, in one process."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from .. import bench, registry
+from ..levels import LEVELS
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("bench", help="time optimizer steps: fastoptim levels vs torch.optim vs the flat floor",
+                       description=__doc__)
+    p.add_argument("--workload", "-w", nargs="+", choices=bench.WORKLOADS, default=["mlp2000", "gpt"],
+                   help="parameter sets to step (default: mlp2000 gpt)")
+    p.add_argument("--optimizer", "-o", nargs="+", choices=list(registry.OPTIMIZERS), default=["adamw"],
+                   help="optimizers to time (default: adamw)")
+    p.add_argument("--impl", nargs="+", choices=list(LEVELS), default=list(LEVELS),
+                   help="fastoptim levels to time (default: all)")
+    p.add_argument("--params", type=bench.parse_count, default="25M",
+                   help="size of the gpt and flat workloads, e.g. 25M, 1.5B (default: 25M)")
+    p.add_argument("--rounds", type=int, default=7, help="interleaved timing rounds (default: 7)")
+    p.add_argument("--steps", type=int, default=3, help="steps per round (default: 3)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps after the first (default: 2)")
+    p.add_argument("--quick", action="store_true", help="seconds, not minutes: small sizes, 3 rounds of 1 step")
+    p.add_argument("--no-peers", action="store_true", help="time fastoptim rows only (and the flat floor)")
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    p.add_argument("--json", metavar="PATH", help="write results as JSON (schema in README.md)")
+    p.add_argument("--markdown", metavar="PATH", help="write the tables as Markdown")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.rounds < 1 or args.steps < 1 or args.warmup < 0:
+        print("fastoptim bench: --rounds and --steps must be >= 1, --warmup >= 0", file=sys.stderr)
+        return 2
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.quick:
+        args.params = min(args.params, 2_000_000)
+        args.rounds, args.steps, args.warmup = 3, 1, 1
+    jobs = []
+    for workload in args.workload:
+        shapes = bench.shapes_for(workload, args.params)
+        if args.quick and workload == "mlp2000":
+            shapes = shapes[:400]  # 200 layers
+        for optimizer in args.optimizer:
+            jobs.append((workload, optimizer, shapes, bench.rows_for(optimizer, args.impl, not args.no_peers)))
+    total = sum(len(rows) * (1 + args.rounds) for *_, rows in jobs)
+    results = []
+    with _progress(total) as advance:
+        for workload, optimizer, shapes, rows in jobs:
+            bench.run_workload(shapes, rows, args.rounds, args.steps, args.warmup, advance)
+            results.append(bench.to_dict(workload, optimizer, bench.numel(shapes), len(shapes), rows))
+    bench.print_tables(results)
+    config = {k: v for k, v in vars(args).items() if k != "func"}
+    if args.json:
+        bench.write_json(args.json, results, config)
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(bench.markdown(results))
+    return 0
+
+
+class _progress:
+    """A rich progress bar when rich is installed, silence otherwise."""
+
+    def __init__(self, total: int):
+        self.total = total
+        self.bar = None
+
+    def __enter__(self):
+        try:
+            from rich.progress import Progress
+        except ImportError:
+            return lambda: None
+        self.bar = Progress(transient=True)
+        self.bar.start()
+        task = self.bar.add_task("timing optimizer steps", total=self.total)
+        return lambda: self.bar.advance(task)
+
+    def __exit__(self, *exc):
+        if self.bar is not None:
+            self.bar.stop()
