@@ -7,6 +7,7 @@ import torch
 
 import fastoptim
 from conftest import make_params, set_grads
+from fastoptim.levels import LEVELS
 from fastoptim.registry import OPTIMIZERS
 
 
@@ -85,7 +86,7 @@ def test_unknown_argument_is_named():
         fastoptim.AdamW(make_params(), beta=(0.9, 0.9))
 
 
-@pytest.mark.parametrize("level", ["loop", "foreach"])
+@pytest.mark.parametrize("level", LEVELS)
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
 def test_sparse_grad_refused_before_anything_changes(name, level):
     spec = OPTIMIZERS[name]

@@ -4,18 +4,19 @@ import pytest
 import torch
 
 from conftest import CASES, MATRIX, clone_params, make_params, set_grads, two_groups
+from fastoptim.levels import LEVELS
 from fastoptim.registry import OPTIMIZERS
 from reference import reference_class, reference_kwargs
 
 STEPS = 20
 
 
-def _pair(name, index, level, dtype=torch.float32):
+def _pair(name, index, level, dtype=torch.float32, flat=False):
     spec = OPTIMIZERS[name]
     opts = spec.option_sets[index]
     ours_p = make_params(dtype=dtype)
     ref_p = clone_params(ours_p)
-    ours = spec.cls(two_groups(ours_p, opts), impl=level, **opts)
+    ours = spec.cls(two_groups(ours_p, opts), impl=level, flat=flat, **opts)
     ref = reference_class(spec)(two_groups(ref_p, opts), **opts, **reference_kwargs(spec))
     return ours, ours_p, ref, ref_p
 
@@ -42,7 +43,7 @@ def test_matches_reference_every_step(name, index, level):
     _assert_state_close(ours, ref, ours_p, ref_p, atol=1e-6, rtol=1e-5)
 
 
-@pytest.mark.parametrize("level", ["loop", "foreach"])
+@pytest.mark.parametrize("level", LEVELS)
 @pytest.mark.parametrize("name,index", CASES)
 def test_levels_agree_on_params_and_state(name, index, level):
     """Level parity: each level against the loop level, params and state, every step."""
@@ -57,31 +58,41 @@ def test_levels_agree_on_params_and_state(name, index, level):
         base.step()
         other.step()
         for a, b in zip(base_p, other_p):
-            torch.testing.assert_close(a, b, atol=1e-7, rtol=1e-6)
-        _assert_state_close(other, base, other_p, base_p, atol=1e-7, rtol=1e-6)
+            torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+        _assert_state_close(other, base, other_p, base_p, atol=1e-6, rtol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("level", ["loop", "foreach"])
+@pytest.mark.parametrize("level", LEVELS)
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
 def test_low_precision_params_track_torch(name, level, dtype):
-    """bf16/fp16 params (state in the param dtype, as torch keeps it) stay within low-precision tolerance."""
+    """bf16/fp16 params, state in the param dtype as torch keeps it. Levels that do the math in fp32 (fused,
+    compiled) drift from torch's per-op-rounded eager path, so the oracle is the same run in float64: ours
+    must be no further from it than torch's own low-precision path is (with a small floor)."""
     spec = OPTIMIZERS[name]
     ours, ours_p, ref, ref_p = _pair(name, 1, level, dtype=dtype)
+    opts = spec.option_sets[1]
+    exact_p = [torch.nn.Parameter(p.detach().double()) for p in ours_p]
+    exact = reference_class(spec)(two_groups(exact_p, opts), **opts, **reference_kwargs(spec))
     for step in range(1, 11):
-        set_grads(step, [ours_p, ref_p])
+        set_grads(step, [ours_p, ref_p, exact_p])
         ours.step()
         ref.step()
-    for a, b in zip(ours_p, ref_p):
+        exact.step()
+    for a, b, e in zip(ours_p, ref_p, exact_p):
         assert a.dtype == dtype
-        torch.testing.assert_close(a.float(), b.float(), atol=2e-2, rtol=2e-2)
+        if not a.numel():
+            continue
+        ours_err = (a.double() - e).abs().max().item()
+        torch_err = (b.double() - e).abs().max().item()
+        assert ours_err <= max(2 * torch_err, 2e-2), (ours_err, torch_err)
     for p in ours_p:
         for k, v in ours.state[p].items():
             if isinstance(v, torch.Tensor):
                 assert v.dtype == dtype, (name, k)
 
 
-@pytest.mark.parametrize("level", ["loop", "foreach"])
+@pytest.mark.parametrize("level", LEVELS)
 @pytest.mark.parametrize("name", ["sgd", "adam", "rmsprop", "adagrad"])
 def test_complex_params_match_torch(name, level):
     spec = OPTIMIZERS[name]
@@ -113,7 +124,7 @@ def test_lion_reference_is_not_trivially_equal():
     assert any(not torch.allclose(x, y) for x, y in zip(a_p, b_p) if x.numel())
 
 
-@pytest.mark.parametrize("level", ["loop", "foreach"])
+@pytest.mark.parametrize("level", LEVELS)
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
 def test_cache_blocked_large_tensors_match_torch(name, level):
     """Tensors larger than a CPU block run piece by piece; contiguous, transposed and ragged sizes."""
@@ -135,3 +146,17 @@ def test_cache_blocked_large_tensors_match_torch(name, level):
         ref.step()
     for a, b in zip(ours_p, ref_p):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name,index,level", MATRIX)
+def test_flat_mode_matches_reference_every_step(name, index, level):
+    """flat=True: params, grads and states as views of one buffer per bucket; same numbers as torch.
+    (Every param has a grad here: in flat mode a missing grad counts as zeros.)"""
+    ours, ours_p, ref, ref_p = _pair(name, index, level, flat=True)
+    for step in range(1, 11):
+        set_grads(step, [ours_p, ref_p], none_every=10 ** 9)
+        ours.step()
+        ref.step()
+        for i, (a, b) in enumerate(zip(ours_p, ref_p)):
+            torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5, msg=lambda m: f"step {step}, param {i}: {m}")
+    _assert_state_close(ours, ref, ours_p, ref_p, atol=1e-6, rtol=1e-5)

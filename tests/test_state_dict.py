@@ -66,8 +66,8 @@ def test_fastoptim_checkpoint_loads_into_torch(name, index):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
 
 
-@pytest.mark.parametrize("save_level", list(LEVELS))
-@pytest.mark.parametrize("load_level", list(LEVELS))
+@pytest.mark.parametrize("save_level", ["loop", "fused"])
+@pytest.mark.parametrize("load_level", LEVELS)
 @pytest.mark.parametrize("name,index", CASES)
 def test_save_load_continue_is_bit_identical(name, index, save_level, load_level):
     spec = OPTIMIZERS[name]

@@ -6,6 +6,12 @@ params and state as they were), then, per group, buckets the params that have a 
 Per-param ``step`` counters (for the optimizers torch keeps one for) live in ``state`` as Python ints:
 no per-param tensor ops, no host syncs. ``state_dict()`` writes them as torch.optim does (0-d float
 tensors) and ``load_state_dict`` reads both.
+
+With ``flat=True`` each group's params, grads and states live in one buffer per (device, dtype)
+(``flat.FlatBucket``) and a step is one pass over those buffers.
+
+torch.amp.GradScaler hands the step ``grad_scale`` and ``found_inf`` (``_step_supports_amp_scaling``):
+a step with inf/NaN grads changes nothing; otherwise grads are unscaled inside the update.
 """
 
 from __future__ import annotations
@@ -17,14 +23,20 @@ import torch
 from torch import Tensor
 
 from . import levels
+from .flat import FlatBucket
+from .levels import Bucket
 from .rules import Rule
 
 
 class FastOptimizer(torch.optim.Optimizer):
     rule: Rule
+    _step_supports_amp_scaling = True
 
-    def __init__(self, params: Iterable, impl: str = "auto", **hyper: Any):
+    def __init__(self, params: Iterable, impl: str = "auto", flat: bool = False, **hyper: Any):
         self.impl = levels.check_impl(impl)
+        self.flat = bool(flat)
+        self._flat_buckets: list[list[FlatBucket]] = []  # per param group, in flat mode
+        self._bucket_caches: dict[tuple, dict] = {}
         defaults = dict(self.rule.defaults)
         unknown = set(hyper) - set(defaults)
         if unknown:
@@ -42,8 +54,16 @@ class FastOptimizer(torch.optim.Optimizer):
             candidate.setdefault(k, v)
         self.rule.validate(candidate)
         super().add_param_group(param_group)
-        if self.rule.eager_state:
-            group = self.param_groups[-1]
+        group = self.param_groups[-1]
+        if self.flat:
+            by_key: dict[tuple, list[Tensor]] = {}
+            for p in group["params"]:
+                by_key.setdefault((p.device, p.dtype), []).append(p)
+            buckets = [FlatBucket(ps) for ps in by_key.values()]
+            self._flat_buckets.append(buckets)
+            for bucket in buckets:
+                self._sync_flat_state(bucket, group)
+        elif self.rule.eager_state:
             for p in group["params"]:
                 self._init_state(p, group)
 
@@ -63,6 +83,26 @@ class FastOptimizer(torch.optim.Optimizer):
             value = complex(value, value)
         return torch.full_like(p, value, memory_format=torch.preserve_format)
 
+    def _sync_flat_state(self, bucket: FlatBucket, group: dict, force: bool = False) -> None:
+        """Every param's state as views of the bucket's state buffers; values already there are kept."""
+        rule = self.rule
+        names = [n for n, needed in zip(rule.state_names, rule.active(group)) if needed]
+        if not force and all(n in bucket.state_buffers for n in names):
+            return
+        states = [self.state[p] for p in bucket.params]
+        for name in set(names) | {n for st in states for n in st if n in rule.state_names}:
+            _, views = bucket.state_buffer(name, rule.initial_value(name, group))
+            for st, view in zip(states, views):
+                value = st.get(name)
+                if value is not None and value is not view:
+                    view.copy_(value)
+                st[name] = view
+        if rule.exports_step:
+            steps = {st.setdefault("step", 0) for st in states}
+        else:  # no counter in torch's state: a loaded buffer means past the first step
+            steps = {1 if any(n in st for n in rule.state_names) else 0 for st in states} if force else {bucket.step}
+        bucket.step = steps.pop() if len(steps) == 1 else None
+
     # --- the step -------------------------------------------------------------------------------
 
     @torch.no_grad()
@@ -72,14 +112,22 @@ class FastOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         work = [self._collect(group) for group in self.param_groups]  # validates; mutates nothing
-        for group, params, grads in work:
-            if params:
-                self._step_group(group, params, grads)
+        found_inf = getattr(self, "found_inf", None)
+        if found_inf is not None and found_inf.item() != 0:
+            return loss  # GradScaler saw inf/NaN grads: this step changes nothing
+        grad_scale = getattr(self, "grad_scale", None)
+        for index, (group, params, grads) in enumerate(work):
+            if self.flat:
+                self._step_flat(index, group, grad_scale)
+            elif params:
+                self._step_group(index, group, params, grads, grad_scale)
         return loss
 
     def _collect(self, group: dict) -> tuple[dict, list[Tensor], list[Tensor]]:
         self.rule.validate(group)
         params, grads = [], []
+        if self.flat:
+            return group, params, grads
         for p in group["params"]:
             g = p.grad
             if g is None:
@@ -91,7 +139,30 @@ class FastOptimizer(torch.optim.Optimizer):
             grads.append(g)
         return group, params, grads
 
-    def _step_group(self, group: dict, params: list[Tensor], grads: list[Tensor]) -> None:
+    def _run(self, key: tuple, group: dict, step: int, params, grads, states, grad_scale) -> None:
+        bucket = Bucket(params, grads, states, self._bucket_caches.setdefault(key, {}))
+        run = levels.level(self.impl, bucket.device)
+        run(self.rule, bucket, group, step, self.rule.scalars(group, step), self.rule.flags(group), grad_scale)
+
+    def _step_flat(self, index: int, group: dict, grad_scale: Tensor | None) -> None:
+        rule = self.rule
+        for b, bucket in enumerate(self._flat_buckets[index]):
+            bucket.repair_grads()
+            self._sync_flat_state(bucket, group)
+            if bucket.step is None:  # params at different step counts (a loaded checkpoint): per param
+                self._step_group(index, group, bucket.params, [p.grad for p in bucket.params], grad_scale)
+                continue
+            bucket.step = step = bucket.step + 1
+            if rule.exports_step:
+                for p in bucket.params:
+                    self.state[p]["step"] = step
+            states = [[bucket.state_buffers[n]] if needed else None
+                      for n, needed in zip(rule.state_names, rule.active(group))]
+            self._run((index, "flat", b), group, step, [bucket.param_buffer], [bucket.grad_buffer], states,
+                      grad_scale)
+
+    def _step_group(self, index: int, group: dict, params: list[Tensor], grads: list[Tensor],
+                    grad_scale: Tensor | None) -> None:
         rule = self.rule
         names = [n for n, needed in zip(rule.state_names, rule.active(group)) if needed]
         counts_steps = rule.exports_step
@@ -122,12 +193,20 @@ class FastOptimizer(torch.optim.Optimizer):
             bucket[1].append(g)
             for lst, t in zip(bucket[2], tensors):
                 lst.append(t)
-        flags = rule.flags(group)
         active = rule.active(group)
-        for (device, _, step), (ps, gs, ss) in buckets.items():
+        for (device, dtype, step), (ps, gs, ss) in buckets.items():
             it = iter(ss)
             states = [next(it) if needed else None for needed in active]
-            levels.resolve(self.impl, device)(rule.update, ps, gs, states, rule.scalars(group, step), flags)
+            self._run((index, device, dtype), group, step, ps, gs, states, grad_scale)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """In flat mode grads are views of one buffer per bucket: zeroed with one memset, never set to None."""
+        if not self.flat:
+            return super().zero_grad(set_to_none)
+        for buckets in self._flat_buckets:
+            for bucket in buckets:
+                bucket.grad_buffer.zero_()
+                bucket.repair_grads()
 
     def _add_missing_state(self, p: Tensor, state: dict, group: dict, names: list[str]) -> None:
         for name in names:
@@ -177,6 +256,9 @@ class FastOptimizer(torch.optim.Optimizer):
             step = s.get("step")
             if isinstance(step, Tensor):
                 s["step"] = int(step.item())
+        for group, buckets in zip(self.param_groups, getattr(self, "_flat_buckets", [])):
+            for bucket in buckets:
+                self._sync_flat_state(bucket, group, force=True)
 
     def _check_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Everything torch.optim would only find halfway through loading, found before anything changes."""

@@ -1,29 +1,54 @@
-"""How a rule runs. Every level has ``run(update, params, grads, states, scalars, flags)``."""
+"""How a rule runs: the levels, and the bucket of tensors they run over.
+
+Every level is ``run(rule, bucket, group, step, scalars, flags, grad_scale)``: one step of ``rule`` over
+one bucket (params of one device and dtype, at one step count). ``grad_scale`` (from torch.amp's
+GradScaler) is unscaled inside the fused kernels; the other levels unscale into temporaries first.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
 import torch
+from torch import Tensor
 
-from . import foreach, loop
+IMPLS = ("auto", "loop", "foreach", "fused", "compiled")
+LEVELS = IMPLS[1:]  # the concrete levels ("auto" picks one of them)
 
-# the levels that run today, in the order "auto" prefers them
-LEVELS = {"foreach": foreach.run, "loop": loop.run}
-# levels named by the API whose implementation is not in this build yet
-PLANNED = ("fused", "compiled")
-IMPLS = ("auto", *LEVELS, *PLANNED)
+
+@dataclass
+class Bucket:
+    params: list[Tensor]
+    grads: list[Tensor]
+    states: list[list[Tensor] | None]  # one list per rule.state_names entry, None where inactive
+    cache: dict = field(default_factory=dict)  # survives across steps: tensor tables, compiled fns
+
+    @property
+    def device(self) -> torch.device:
+        return self.params[0].device
 
 
 def check_impl(impl: str) -> str:
-    if impl in PLANNED:
-        raise NotImplementedError(f"impl={impl!r} is not available in this build; use one of "
-                                  f"{', '.join(repr(i) for i in ('auto', *LEVELS))}")
     if impl not in IMPLS:
         raise ValueError(f"Unknown impl {impl!r}; valid values: {', '.join(repr(i) for i in IMPLS)}")
     return impl
 
 
-def resolve(impl: str, device: torch.device):
-    """The level function for ``impl`` on ``device`` ("auto": the fastest this build has there)."""
-    if impl == "auto":
-        return LEVELS["foreach"]
-    return LEVELS[impl]
+def unscaled(grads: list[Tensor], grad_scale: Tensor | None) -> list[Tensor]:
+    """Grads divided by the AMP scale as GradScaler.unscale_ does (times the fp32 reciprocal), as new tensors."""
+    if grad_scale is None:
+        return grads
+    inv_scale = grad_scale.double().reciprocal().float()
+    return torch._foreach_mul(grads, inv_scale)
+
+
+def level(impl: str, device: torch.device) -> Callable:
+    """The run function for ``impl`` on ``device``; "auto" is the fused level, the fastest everywhere."""
+    from . import compiled, foreach, fused, loop
+
+    return {"auto": fused.run, "fused": fused.run, "compiled": compiled.run, "foreach": foreach.run,
+            "loop": loop.run}[impl]
+
+
+__all__ = ["IMPLS", "LEVELS", "Bucket", "check_impl", "level", "unscaled", "Sequence"]

@@ -12,6 +12,7 @@ from typing import Callable, Sequence
 import torch
 from torch import Tensor
 
+from . import Bucket, unscaled
 from .blocking import blocks
 
 
@@ -60,8 +61,8 @@ class TensorList:
         return self._binary(torch._foreach_maximum, self, other)
 
 
-def run(update: Callable, params: list[Tensor], grads: list[Tensor], states: Sequence[list[Tensor] | None],
-        scalars: tuple, flags: tuple) -> None:
+def apply(update: Callable, params: list[Tensor], grads: list[Tensor], states: Sequence[list[Tensor] | None],
+          scalars: tuple, flags: tuple) -> None:
     parts = blocks(params, grads, states) if params[0].device.type == "cpu" else [(params, grads, states)]
     for ps, gs, ss in parts:
         wrapped = [None if s is None else TensorList(s) for s in ss]
@@ -70,3 +71,7 @@ def run(update: Callable, params: list[Tensor], grads: list[Tensor], states: Seq
         for s, new in zip(ss, new_states):
             if s is not None:
                 torch._foreach_copy_(s, new.tensors)
+
+
+def run(rule, bucket: Bucket, group: dict, step: int, scalars: tuple, flags: tuple, grad_scale=None) -> None:
+    apply(rule.update, bucket.params, unscaled(bucket.grads, grad_scale), bucket.states, scalars, flags)

@@ -6,11 +6,12 @@ from typing import Callable, Sequence
 
 from torch import Tensor
 
+from . import Bucket, unscaled
 from .blocking import BLOCK_NUMEL, _pieces
 
 
-def run(update: Callable, params: list[Tensor], grads: list[Tensor], states: Sequence[list[Tensor] | None],
-        scalars: tuple, flags: tuple) -> None:
+def apply(update: Callable, params: list[Tensor], grads: list[Tensor], states: Sequence[list[Tensor] | None],
+          scalars: tuple, flags: tuple) -> None:
     cpu = params[0].device.type == "cpu"
     for i, (p, g) in enumerate(zip(params, grads)):
         per_param = [None if s is None else s[i] for s in states]
@@ -21,3 +22,7 @@ def run(update: Callable, params: list[Tensor], grads: list[Tensor], states: Seq
             for s, new in zip(piece_states, new_states):
                 if s is not None:
                     s.copy_(new)
+
+
+def run(rule, bucket: Bucket, group: dict, step: int, scalars: tuple, flags: tuple, grad_scale=None) -> None:
+    apply(rule.update, bucket.params, unscaled(bucket.grads, grad_scale), bucket.states, scalars, flags)

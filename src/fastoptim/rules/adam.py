@@ -11,12 +11,15 @@ r"""Adam (Kingma & Ba 2015) and AdamW (Loshchilov & Hutter 2019), torch.optim.Ad
 
 from __future__ import annotations
 
-from .base import Rule, check_betas, check_bool, check_nonnegative
+import torch
+
+from .base import Rule, steps_list, check_betas, check_bool, check_nonnegative
 from .prims import maximum, sqrt
 
 
 def adam_update(p, g, exp_avg, exp_avg_sq, max_exp_avg_sq,
-                step_size, beta1, beta2, eps, weight_decay, decay_factor, bias_correction2_sqrt,
+                step_size, one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay, decay_factor,
+                bias_correction2_sqrt,
                 MAXIMIZE, WEIGHT_DECAY, DECOUPLED, AMSGRAD):
     if MAXIMIZE:
         g = -g
@@ -25,8 +28,8 @@ def adam_update(p, g, exp_avg, exp_avg_sq, max_exp_avg_sq,
             p = p * decay_factor
         else:
             g = g + weight_decay * p
-    exp_avg = exp_avg + (g - exp_avg) * (1.0 - beta1)
-    exp_avg_sq = exp_avg_sq * beta2 + g * g * (1.0 - beta2)
+    exp_avg = exp_avg + (g - exp_avg) * one_minus_beta1
+    exp_avg_sq = exp_avg_sq * beta2 + g * g * one_minus_beta2
     if AMSGRAD:
         max_exp_avg_sq = maximum(max_exp_avg_sq, exp_avg_sq)
         denom = sqrt(max_exp_avg_sq) / bias_correction2_sqrt + eps
@@ -57,10 +60,20 @@ class AdamRule(Rule):
     def flags(self, group):
         return (group["maximize"], group["weight_decay"] != 0, self.decoupled, group["amsgrad"])
 
+    def torch_fused(self, params, grads, states, group, step, grad_scale=None, found_inf=None):
+        """torch's own fused kernel for this math (used on flat CPU buffers, where it is the fastest)."""
+        exp_avg, exp_avg_sq, max_exp_avg_sq = states
+        fn = torch._fused_adamw_ if self.decoupled else torch._fused_adam_
+        beta1, beta2 = group["betas"]
+        fn(params, grads, exp_avg, exp_avg_sq, max_exp_avg_sq or [], steps_list(step, params),
+           amsgrad=group["amsgrad"], lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2),
+           weight_decay=float(group["weight_decay"]), eps=float(group["eps"]), maximize=group["maximize"],
+           grad_scale=grad_scale, found_inf=found_inf)
+
     def scalars(self, group, step):
         lr, wd = float(group["lr"]), float(group["weight_decay"])
         beta1, beta2 = (float(b) for b in group["betas"])
         bias_correction1 = 1 - beta1 ** step
         bias_correction2 = 1 - beta2 ** step
-        return (lr / bias_correction1, beta1, beta2, float(group["eps"]), wd, 1 - lr * wd,
+        return (lr / bias_correction1, 1 - beta1, beta2, 1 - beta2, float(group["eps"]), wd, 1 - lr * wd,
                 bias_correction2 ** 0.5)

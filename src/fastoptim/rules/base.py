@@ -10,13 +10,17 @@ A rule supplies
   * ``update``        the elementwise math: ``update(p, g, *states, *scalars, *FLAGS) -> (p, *states)``.
 
 ``update`` receives every state in ``state_names`` order, ``None`` for the inactive ones, and returns them
-in the same order (inactive ones passed through). It uses arithmetic operators and ``prims`` only.
+in the same order (inactive ones passed through). It uses arithmetic operators and ``prims`` only, on
+tensors: arithmetic among scalars alone (``1 - beta1``) belongs in ``scalars``, done once in double
+precision on the host as torch.optim does, so every level rounds the same numbers.
 """
 
 from __future__ import annotations
 
 import math
 from typing import Any, Callable, ClassVar
+
+import torch
 
 
 class Rule:
@@ -43,6 +47,16 @@ class Rule:
 
     def initial_value(self, name: str, group: dict) -> float:
         return 0.0
+
+    # torch's own fused kernel for the same math, where one exists: ``torch_fused(params, grads, states,
+    # group, step, grad_scale, found_inf)`` with ``states`` per ``state_names`` (None when inactive) and
+    # ``step`` this step's count. None: no such kernel.
+    torch_fused: ClassVar[Callable[..., None] | None] = None
+
+
+def steps_list(step: int, params: list) -> list:
+    """torch's fused kernels read one 0-d step tensor per param; they only read it, so one is shared."""
+    return [torch.tensor(float(step))] * len(params)
 
 
 # --- shared validation helpers: each names the argument it rejects -----------------------------

@@ -13,14 +13,14 @@ from .prims import sign
 
 
 def lion_update(p, g, exp_avg,
-                lr, beta1, beta2, decay_factor,
+                lr, beta1, one_minus_beta1, beta2, one_minus_beta2, decay_factor,
                 MAXIMIZE, WEIGHT_DECAY):
     if MAXIMIZE:
         g = -g
     if WEIGHT_DECAY:
         p = p * decay_factor
-    p = p - lr * sign(exp_avg * beta1 + g * (1.0 - beta1))
-    exp_avg = exp_avg * beta2 + g * (1.0 - beta2)
+    p = p - lr * sign(exp_avg * beta1 + g * one_minus_beta1)
+    exp_avg = exp_avg * beta2 + g * one_minus_beta2
     return p, exp_avg
 
 
@@ -42,4 +42,4 @@ class LionRule(Rule):
     def scalars(self, group, step):
         lr = float(group["lr"])
         beta1, beta2 = (float(b) for b in group["betas"])
-        return (lr, beta1, beta2, 1 - lr * float(group["weight_decay"]))
+        return (lr, beta1, 1 - beta1, beta2, 1 - beta2, 1 - lr * float(group["weight_decay"]))

@@ -15,15 +15,15 @@ from .prims import sqrt
 
 
 def rmsprop_update(p, g, square_avg, momentum_buffer, grad_avg,
-                   lr, alpha, eps, weight_decay, momentum,
+                   lr, alpha, one_minus_alpha, eps, weight_decay, momentum,
                    MAXIMIZE, WEIGHT_DECAY, MOMENTUM, CENTERED):
     if MAXIMIZE:
         g = -g
     if WEIGHT_DECAY:
         g = g + weight_decay * p
-    square_avg = square_avg * alpha + g * g * (1.0 - alpha)
+    square_avg = square_avg * alpha + g * g * one_minus_alpha
     if CENTERED:
-        grad_avg = grad_avg + (g - grad_avg) * (1.0 - alpha)
+        grad_avg = grad_avg + (g - grad_avg) * one_minus_alpha
         avg = sqrt(square_avg - grad_avg * grad_avg) + eps
     else:
         avg = sqrt(square_avg) + eps
@@ -54,5 +54,6 @@ class RMSpropRule(Rule):
         return (group["maximize"], group["weight_decay"] != 0, group["momentum"] > 0, group["centered"])
 
     def scalars(self, group, step):
-        return (float(group["lr"]), float(group["alpha"]), float(group["eps"]), float(group["weight_decay"]),
+        alpha = float(group["alpha"])
+        return (float(group["lr"]), alpha, 1 - alpha, float(group["eps"]), float(group["weight_decay"]),
                 float(group["momentum"]))

@@ -10,7 +10,9 @@ r"""SGD with momentum, dampening and Nesterov (Sutskever et al. 2013), torch.opt
 
 from __future__ import annotations
 
-from .base import Rule, check_bool, check_nonnegative, _number
+import torch
+
+from .base import Rule, steps_list, check_bool, check_nonnegative, _number
 
 
 def sgd_update(p, g, momentum_buffer,
@@ -51,6 +53,15 @@ class SGDRule(Rule):
 
     def flags(self, group):
         return (group["maximize"], group["weight_decay"] != 0, group["momentum"] != 0, group["nesterov"])
+
+    def torch_fused(self, params, grads, states, group, step, grad_scale=None, found_inf=None):
+        """torch's own fused kernel for this math (used on flat CPU buffers, where it is the fastest)."""
+        (momentum_buffer,) = states
+        torch._fused_sgd_(params, grads, momentum_buffer or [], weight_decay=float(group["weight_decay"]),
+                          momentum=float(group["momentum"]), lr=float(group["lr"]),
+                          dampening=float(group["dampening"]), nesterov=group["nesterov"],
+                          maximize=group["maximize"], is_first_step=step == 1,
+                          grad_scale=grad_scale, found_inf=found_inf)
 
     def scalars(self, group, step):
         first = step == 1

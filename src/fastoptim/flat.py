@@ -1,0 +1,55 @@
+"""Flat-buffer mode: a group's params, grads and states live in one contiguous buffer per (device, dtype).
+
+Each param's ``.data`` and ``.grad`` become views into the buffers, so autograd accumulates into the
+flat grad buffer in place, ``zero_grad()`` is one memset, and a step is one elementwise pass over a
+single tensor per state. The per-param state dict keeps views too, so ``state_dict()`` is unchanged.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+class FlatBucket:
+    def __init__(self, params: list[Tensor]):
+        self.params = params
+        p0 = params[0]
+        if not (p0.is_floating_point() and all(p.dtype == p0.dtype and p.device == p0.device for p in params)):
+            raise ValueError("flat=True needs real floating-point params of one dtype and device per bucket")
+        self.numels = [p.numel() for p in params]
+        total = sum(self.numels)
+        self.param_buffer = torch.empty(total, dtype=p0.dtype, device=p0.device)
+        self.grad_buffer = torch.zeros(total, dtype=p0.dtype, device=p0.device)
+        self.state_buffers: dict[str, Tensor] = {}
+        param_views, grad_views = self.views(self.param_buffer), self.views(self.grad_buffer)
+        for p, pv, gv in zip(params, param_views, grad_views):
+            pv.copy_(p.detach())
+            if p.grad is not None:
+                gv.copy_(p.grad)
+            p.data = pv
+            p.grad = gv
+        self.grad_views = grad_views
+        # the step count every param of the bucket shares; None when a loaded checkpoint disagrees
+        self.step: int | None = 0
+
+    def views(self, buffer: Tensor) -> list[Tensor]:
+        return [v.view(p.shape) for v, p in zip(buffer.split(self.numels), self.params)]
+
+    def state_buffer(self, name: str, fill: float) -> tuple[Tensor, list[Tensor]]:
+        """The flat buffer of one state (made on first use) and its per-param views."""
+        buffer = self.state_buffers.get(name)
+        if buffer is None:
+            buffer = self.state_buffers[name] = torch.full_like(self.param_buffer, fill)
+        return buffer, self.views(buffer)
+
+    def repair_grads(self) -> None:
+        """Put the views back where the user replaced a ``.grad`` (None counts as zeros)."""
+        for p, view in zip(self.params, self.grad_views):
+            g = p.grad
+            if g is not view:
+                if g is None:
+                    view.zero_()
+                else:
+                    view.copy_(g)
+                p.grad = view

@@ -1,0 +1,56 @@
+"""The compiled level: ``torch.compile`` of the rule, one in-place kernel per tensor shape class.
+
+The compiled function applies the rule and copies the results into the param and state tensors
+inside the graph, so Inductor writes them in place: one pass over memory. Hyper-parameters travel as
+one float32 tensor (``scalars``), unbound inside the graph, so a schedule changing lr or betas every
+step never recompiles; the FLAGS (fixed for a run) are baked into one compiled function per
+combination. Contiguous tensors go in as 1-D views with dynamic sizes, so one compiled kernel serves
+every param of a bucket.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from . import Bucket, loop, unscaled
+
+
+def _in_place(update: Callable, flags: tuple) -> Callable:
+    def step(p: Tensor, g: Tensor, states: list, scalars: Tensor) -> None:
+        out = update(p, g, *states, *scalars.unbind(0), *flags)
+        p.copy_(out[0])
+        for s, new in zip(states, out[1:]):
+            if s is not None:
+                s.copy_(new)
+    # a code object of its own: torch.compile keeps its cache (and its recompile limit) per code object
+    step.__code__ = step.__code__.replace(co_name=f"{update.__name__}_step")
+    return step
+
+
+@lru_cache(maxsize=None)
+def compiled_step(update: Callable, flags: tuple, dtype: torch.dtype) -> Callable:
+    """One compiled function per rule, FLAGS and dtype: its only variants are the size-1 specialisation
+    and the dynamic size, well inside torch.compile's recompile limit."""
+    return torch.compile(_in_place(update, flags), dynamic=True, fullgraph=True)
+
+
+def run(rule, bucket: Bucket, group: dict, step: int, scalars: tuple, flags: tuple, grad_scale=None) -> None:
+    fn = compiled_step(rule.update, tuple(flags), bucket.params[0].dtype)
+    scalars_t = torch.tensor(scalars, dtype=torch.float32).to(bucket.device, non_blocking=True)
+    grads = unscaled(bucket.grads, grad_scale)
+    strided = []  # non-contiguous tensors: each layout would be a recompile; they run eagerly instead
+    for i, (p, g) in enumerate(zip(bucket.params, grads)):
+        states = [None if s is None else s[i] for s in bucket.states]
+        if p.numel() == 0:
+            continue
+        if not all(t is None or t.is_contiguous() for t in (p, g, *states)):
+            strided.append(i)
+            continue
+        fn(p.view(-1), g.view(-1), [None if s is None else s.view(-1) for s in states], scalars_t)
+    if strided:
+        loop.apply(rule.update, [bucket.params[i] for i in strided], [grads[i] for i in strided],
+                   [None if s is None else [s[i] for i in strided] for s in bucket.states], scalars, flags)

@@ -1,0 +1,72 @@
+"""The fused level: one pass over memory per bucket, no full-size temporaries.
+
+* CUDA (and CPU tensors under ``TRITON_INTERPRET=1``): the generated multi-tensor Triton kernel, one
+  launch per bucket (``triton_kernels``); tensors the kernel cannot take (misaligned, non-contiguous)
+  go through the foreach level.
+* CPU: torch's own fused kernel where the rule names one (Adam, AdamW, SGD, Adagrad); otherwise the
+  rule compiled by Inductor into one in-place loop, when the bucket's tensors are large enough to
+  amortise a call each (flat buffers always are); otherwise the cache-blocked foreach level.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import torch
+
+from . import Bucket, compiled, foreach
+
+# torch 2.13's fused CPU SGD is wrong for fp16/bf16 (0.26 off its own single-tensor SGD after 3 steps),
+# so low-precision buckets take our own paths
+TORCH_FUSED_DTYPES = (torch.float32, torch.float64)
+# below this mean size per tensor, one compiled call per tensor costs more than it saves
+COMPILED_MIN_MEAN_NUMEL = 1 << 14
+_not_compilable: set = set()
+
+
+def _use_triton(bucket: Bucket) -> bool:
+    """CUDA tensors, or CPU tensors while Triton's interpreter is on (how the kernels are tested here)."""
+    return bucket.device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def run(rule, bucket: Bucket, group: dict, step: int, scalars: tuple, flags: tuple, grad_scale=None) -> None:
+    if _use_triton(bucket):
+        return _run_triton(rule, bucket, group, step, scalars, flags, grad_scale)
+    if rule.torch_fused is not None and bucket.params[0].dtype in TORCH_FUSED_DTYPES:
+        # torch's kernels walk p, g and states as one linear layout: strided tensors go the foreach way
+        strided = [i for i, (p, g) in enumerate(zip(bucket.params, bucket.grads))
+                   if not (p.is_contiguous() and g.is_contiguous())]
+        dense = bucket if not strided else _subset(bucket, [i for i in range(len(bucket.params))
+                                                             if i not in set(strided)])
+        if dense.params:
+            rule.torch_fused(dense.params, dense.grads, dense.states, group, step, grad_scale=grad_scale)
+        if strided:
+            foreach.run(rule, _subset(bucket, strided), group, step, scalars, flags, grad_scale)
+        return
+    mean_numel = sum(p.numel() for p in bucket.params) / len(bucket.params)
+    if mean_numel >= COMPILED_MIN_MEAN_NUMEL and rule.update not in _not_compilable:
+        try:
+            return compiled.run(rule, bucket, group, step, scalars, flags, grad_scale)
+        except Exception as e:  # no C++ compiler, or Inductor unavailable: the blocked foreach level is exact
+            _not_compilable.add(rule.update)
+            warnings.warn(f"fastoptim: compiling {rule.name} for the CPU failed ({type(e).__name__}: {e}); "
+                          "impl='fused' uses the foreach level for it instead", RuntimeWarning, stacklevel=3)
+    return foreach.run(rule, bucket, group, step, scalars, flags, grad_scale)
+
+
+def _run_triton(rule, bucket: Bucket, group, step, scalars, flags, grad_scale) -> None:
+    from . import triton_kernels
+
+    table = bucket.cache.get("triton_table")
+    if table is None:
+        table = bucket.cache["triton_table"] = triton_kernels.TensorTable()
+    fallback = triton_kernels.run(rule.update, rule.state_names, bucket.params, bucket.grads, bucket.states,
+                                  scalars, flags, table, grad_scale=grad_scale)
+    if fallback:
+        foreach.run(rule, _subset(bucket, fallback), group, step, scalars, flags, grad_scale)
+
+
+def _subset(bucket: Bucket, indices: list[int]) -> Bucket:
+    return Bucket([bucket.params[i] for i in indices], [bucket.grads[i] for i in indices],
+                  [None if s is None else [s[i] for i in indices] for s in bucket.states])
