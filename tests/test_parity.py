@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from conftest import CASES, MATRIX, clone_params, make_params, set_grads, two_groups
+from conftest import CASES, MATRIX, assert_state_close, clone_params, make_params, set_grads, two_groups
 from fastoptim.levels import LEVELS
 from fastoptim.registry import OPTIMIZERS
 from reference import reference_class, reference_kwargs
@@ -28,7 +28,7 @@ def _assert_state_close(ours, ref, ours_p, ref_p, **tol):
             if k == "step":
                 assert float(sa["step"]) == float(vb)
             elif isinstance(vb, torch.Tensor):
-                torch.testing.assert_close(sa[k], vb, **tol, msg=lambda m: f"state {k!r}: {m}")
+                assert_state_close(sa[k], vb, msg=f"state {k!r}", **tol)
 
 
 @pytest.mark.parametrize("name,index,level", MATRIX)

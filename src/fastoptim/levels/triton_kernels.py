@@ -216,3 +216,24 @@ def run(update: Callable, state_names: tuple[str, ...], params: list[Tensor], gr
             HAS_SCALE=grad_scale is not None, HAS_INF=found_inf is not None,
             **{f"F{i}": bool(f) for i, f in enumerate(flags)}, num_warps=NUM_WARPS, enable_fp_fusion=False)
     return table.fallback
+
+
+# --- ahead-of-time compile: the proof that a kernel builds for a real GPU, without one ----------------
+
+def compile_for_gpu(rule, group: dict, dtype: torch.dtype = torch.float32, capability: int = 90):
+    """Compile the rule's multi-tensor kernel for ``sm_<capability>`` (PTX and cubin) on any machine."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    active = tuple(rule.active(group))
+    flags = rule.flags(group)
+    n_scalars = len(rule.scalars(group, 1))
+    kernel = kernel_for(rule.update, tuple(rule.state_names), active, n_scalars, len(flags), False)
+    signature = {"table": "*i64", "chunks": "*i64", "grad_scale": "*fp32", "found_inf": "*fp32"}
+    signature.update({f"c{i}": "fp32" for i in range(n_scalars)})
+    constants = dict(P_DTYPE=TORCH_TO_TL[dtype], CHUNK=CHUNK, BLOCK=BLOCK, HAS_SCALE=False, HAS_INF=False,
+                     **{f"F{i}": bool(f) for i, f in enumerate(flags)})
+    signature.update({name: "constexpr" for name in constants})
+    return triton.compile(ASTSource(kernel, signature, constexprs=constants),
+                          target=GPUTarget("cuda", capability, 32),
+                          options={"num_warps": NUM_WARPS, "enable_fp_fusion": False})
