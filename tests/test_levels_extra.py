@@ -1,0 +1,167 @@
+"""Compiled steps never recompile under schedules; GradScaler end to end; flat-buffer mode behaviour."""
+
+import pytest
+import torch
+
+import fastoptim
+from conftest import clone_params, make_params, set_grads
+from fastoptim.levels import LEVELS
+from fastoptim.registry import OPTIMIZERS
+from reference import reference_class, reference_kwargs
+
+
+def _frames_compiled() -> int:
+    from torch._dynamo.utils import counters
+    return sum(counters["frames"].values())
+
+
+@pytest.mark.parametrize("name,sched", [("adamw", "onecycle"), ("sgd", "onecycle"), ("lion", "cosine"),
+                                        ("rmsprop", "onecycle")])
+def test_compiled_level_never_recompiles_over_1000_scheduled_steps(name, sched):
+    spec = OPTIMIZERS[name]
+    opts = dict(spec.option_sets[1])
+    if name == "sgd":
+        opts["momentum"] = 0.9
+    params = [torch.nn.Parameter(torch.randn(s)) for s in [(17, 5), (64,), (1,), (300,)]]
+    opt = spec.cls(params, impl="compiled", **opts)
+    if sched == "onecycle":  # cycles lr and beta1/momentum every step
+        scheduler = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-2, total_steps=1000)
+    else:
+        scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=1000)
+    g = torch.Generator().manual_seed(0)
+    grads = [torch.randn(p.shape, generator=g) * 1e-2 for p in params]
+    for p, gr in zip(params, grads):
+        p.grad = gr
+    for _ in range(2):
+        opt.step()
+        scheduler.step()
+    compiled_before = _frames_compiled()
+    seen = set()
+    for _ in range(998):
+        opt.step()
+        scheduler.step()
+        seen.add(opt.param_groups[0]["lr"])
+    assert len(seen) > 900  # the lr really changed every step
+    assert _frames_compiled() == compiled_before, "a scheduled step recompiled"
+
+
+def _scaler_run(opt_factory, params, steps=4, poison_step=2):
+    """A tiny model trained under torch.amp.GradScaler; one step gets an inf grad."""
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=1000)
+    opt = opt_factory(params)
+    x = torch.linspace(-1, 1, 24).reshape(6, 4)
+    record = []
+    for step in range(1, steps + 1):
+        opt.zero_grad()
+        loss = (x @ params[0]).pow(2).sum() + params[1].sum()
+        scaler.scale(loss).backward()
+        if step == poison_step:
+            params[1].grad[0] = float("inf")
+        before = [p.detach().clone() for p in params]
+        scale_before = scaler.get_scale()
+        scaler.step(opt)
+        scaler.update()
+        record.append((before, [p.detach().clone() for p in params], scale_before, scaler.get_scale()))
+    return opt, record
+
+
+@pytest.mark.parametrize("flat", [False, True])
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_grad_scaler_end_to_end(name, level, flat):
+    spec = OPTIMIZERS[name]
+    opts = spec.option_sets[1]
+    ours_p = [torch.nn.Parameter(torch.randn(4, 3)), torch.nn.Parameter(torch.randn(3))]
+    ref_p = clone_params(ours_p)
+    ours, ours_rec = _scaler_run(lambda ps: spec.cls(ps, impl=level, flat=flat, **opts), ours_p)
+    ref, ref_rec = _scaler_run(lambda ps: reference_class(spec)(ps, **opts, **reference_kwargs(spec)), ref_p)
+    before, after, scale_before, scale_after = ours_rec[1]  # the poisoned step
+    assert all(torch.equal(a, b) for a, b in zip(before, after)), "an inf step moved the params"
+    assert scale_after < scale_before, "the scale was not lowered"
+    if spec.cls.rule.exports_step:
+        assert ours.state[ours_p[0]]["step"] == 3  # 4 steps, one skipped
+    for (_, a, sa, _), (_, b, sb, _) in zip(ours_rec, ref_rec):
+        assert sa == sb
+        for x, y in zip(a, b):
+            torch.testing.assert_close(x, y, atol=1e-6, rtol=1e-5)
+
+
+# --- flat-buffer mode ---------------------------------------------------------------------------------
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 4))
+
+
+def test_flat_mode_grads_are_views_and_backward_accumulates_in_place():
+    model = _model()
+    opt = fastoptim.create(model, "adamw", flat=True, lr=1e-2)
+    buckets = [b for bs in opt._flat_buckets for b in bs]
+    views = {id(p): p.grad for b in buckets for p in b.params}
+    x = torch.randn(5, 8)
+    model(x).sum().backward()
+    model(x).sum().backward()  # accumulation lands in the same views
+    for b in buckets:
+        for p in b.params:
+            assert p.grad is views[id(p)]
+            for t, buffer in ((p.grad, b.grad_buffer), (p, b.param_buffer)):
+                base = buffer.data_ptr()
+                assert base <= t.data_ptr() < base + buffer.numel() * buffer.element_size()
+    assert all(b.grad_buffer.abs().sum() > 0 for b in buckets)
+    opt.zero_grad()
+    assert all(p.grad is not None and not p.grad.any() for p in model.parameters())
+
+
+def test_flat_mode_trains_like_torch():
+    model, ref_model = _model(), _model()
+    opt = fastoptim.create(model, "adamw", flat=True, lr=1e-2, weight_decay=0.1)
+    ref = torch.optim.AdamW(fastoptim.param_groups(ref_model, 0.1), lr=1e-2, foreach=False)
+    x, y = torch.randn(32, 8), torch.randn(32, 4)
+    for _ in range(20):
+        for m, o in ((model, opt), (ref_model, ref)):
+            o.zero_grad()
+            torch.nn.functional.mse_loss(m(x), y).backward()
+            o.step()
+    for a, b in zip(model.parameters(), ref_model.parameters()):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+def test_flat_mode_repairs_a_replaced_grad():
+    params = make_params()
+    opt = OPTIMIZERS["sgd"].cls(params, flat=True, lr=0.1)
+    before = params[3].detach().clone()
+    params[3].grad = torch.ones_like(params[3])  # the user replaced the view
+    opt.step()
+    torch.testing.assert_close(params[3].detach(), before - 0.1)
+    assert params[3].grad.data_ptr() != 0 and params[3].grad is opt._flat_buckets[0][0].grad_views[3]
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_flat_state_dict_round_trips_with_torch(level):
+    params = make_params()
+    opt = OPTIMIZERS["adam"].cls(params, flat=True, impl=level, lr=1e-2, amsgrad=True)
+    for step in range(1, 4):
+        set_grads(step, [params], none_every=10 ** 9)
+        opt.step()
+    sd = opt.state_dict()
+    assert set(sd["state"][0]) == {"step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"}
+    torch_p = clone_params(params)
+    ref = torch.optim.Adam(torch_p, lr=1e-2, amsgrad=True, foreach=False)
+    ref.load_state_dict(sd)
+    flat_p = clone_params(params)
+    again = OPTIMIZERS["adam"].cls(flat_p, flat=True, impl=level, lr=1e-2, amsgrad=True)
+    again.load_state_dict(ref.state_dict())
+    bucket = again._flat_buckets[0][0]
+    for i, p in enumerate(flat_p):  # loaded state lives in the flat buffers again
+        assert again.state[p]["exp_avg"].data_ptr() == bucket.views(bucket.state_buffers["exp_avg"])[i].data_ptr()
+    for step in range(4, 7):
+        set_grads(step, [torch_p, flat_p], none_every=10 ** 9)
+        ref.step()
+        again.step()
+    for a, b in zip(flat_p, torch_p):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+def test_flat_mode_refuses_complex_params():
+    with pytest.raises(ValueError, match="flat=True"):
+        fastoptim.Adam([torch.nn.Parameter(torch.randn(3, dtype=torch.complex64))], flat=True)
