@@ -195,3 +195,45 @@ def test_half_precision_kernels_compile_with_vector_access(dtype):
     # 16-bit storage: 8 elements per 128-bit access, so half the vectors of fp32
     assert _count(ptx, r"ld\.global(\.\w+)*\.v4\.b32") == 4 * VECTORS_PER_ARRAY // 2
     assert _count(ptx, r"st\.global(\.\w+)*\.v4\.b32") == 3 * VECTORS_PER_ARRAY // 2
+
+
+@pytest.mark.parametrize("flat", [False, True])
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_grad_scaler_skips_inside_the_kernel_without_reading_found_inf(interpret, monkeypatch, name, flat):
+    """GradScaler's found_inf goes into the kernel; the step never reads it on the host. The skipped step is
+    counted optimistically and taken back at the next step, so the run still matches torch's."""
+    from test_levels_extra import _scaler_run
+    from reference import reference_class, reference_kwargs
+
+    spec = OPTIMIZERS[name]
+    opts = spec.option_sets[1]
+    reads = []
+    real_item = torch.Tensor.item
+    real_step = spec.cls.step
+
+    def watched_step(self, *args, **kwargs):
+        found_inf = getattr(self, "found_inf", None)
+
+        def item(t):
+            if t is found_inf:
+                reads.append(t)
+            return real_item(t)
+        monkeypatch.setattr(torch.Tensor, "item", item)
+        try:
+            return real_step(self, *args, **kwargs)
+        finally:
+            monkeypatch.setattr(torch.Tensor, "item", real_item)
+
+    monkeypatch.setattr(spec.cls, "step", watched_step)
+    ours_p = [torch.nn.Parameter(torch.randn(4, 3)), torch.nn.Parameter(torch.randn(3))]
+    ref_p = clone_params(ours_p)
+    ours, ours_rec = _scaler_run(lambda ps: spec.cls(ps, impl="fused", flat=flat, **opts), ours_p)
+    _, ref_rec = _scaler_run(lambda ps: reference_class(spec)(ps, **opts, **reference_kwargs(spec)), ref_p)
+    assert reads == []
+    before, after, _, _ = ours_rec[1]
+    assert all(torch.equal(a, b) for a, b in zip(before, after))
+    if spec.cls.rule.exports_step:
+        assert ours.state_dict()["state"][0]["step"].item() == 3
+    for (_, a, _, _), (_, b, _, _) in zip(ours_rec, ref_rec):
+        for x, y in zip(a, b):
+            torch.testing.assert_close(x, y, atol=1e-6, rtol=1e-5)

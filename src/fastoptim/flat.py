@@ -7,8 +7,12 @@ single tensor per state. The per-param state dict keeps views too, so ``state_di
 
 from __future__ import annotations
 
+import operator
+
 import torch
 from torch import Tensor
+
+_grad = operator.attrgetter("grad")
 
 
 class FlatBucket:
@@ -32,6 +36,7 @@ class FlatBucket:
         self.grad_views = grad_views
         # the step count every param of the bucket shares; None when a loaded checkpoint disagrees
         self.step: int | None = 0
+        self.param_states: list[dict] = []  # the params' state dicts, refreshed when state is (re)loaded
 
     def views(self, buffer: Tensor) -> list[Tensor]:
         return [v.view(p.shape) for v, p in zip(buffer.split(self.numels), self.params)]
@@ -45,6 +50,8 @@ class FlatBucket:
 
     def repair_grads(self) -> None:
         """Put the views back where the user replaced a ``.grad`` (None counts as zeros)."""
+        if not any(map(operator.is_not, map(_grad, self.params), self.grad_views)):
+            return  # the common case, checked at C speed
         for p, view in zip(self.params, self.grad_views):
             g = p.grad
             if g is not view:

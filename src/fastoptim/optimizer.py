@@ -11,12 +11,15 @@ With ``flat=True`` each group's params, grads and states live in one buffer per 
 (``flat.FlatBucket``) and a step is one pass over those buffers.
 
 torch.amp.GradScaler hands the step ``grad_scale`` and ``found_inf`` (``_step_supports_amp_scaling``):
-a step with inf/NaN grads changes nothing; otherwise grads are unscaled inside the update.
+a step with inf/NaN grads changes nothing; otherwise grads are unscaled inside the update. The fused
+GPU kernels read ``found_inf`` themselves (no host sync): the step is counted optimistically and taken
+back at the next step if the flag was set; other levels read the flag first.
 """
 
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
 import torch
@@ -28,6 +31,25 @@ from .levels import Bucket
 from .rules import Rule
 
 
+@dataclass
+class _Amp:
+    """What GradScaler handed this step. ``found_inf`` is set only when the kernels skip by themselves."""
+    grad_scale: Tensor | None
+    found_inf: Tensor | None
+    stepped: list[dict] = field(default_factory=list)  # state dicts whose step was counted optimistically
+    buckets: list[FlatBucket] = field(default_factory=list)
+
+    def pending(self) -> tuple:
+        """The flag copied to host memory without waiting, and an event that says when it is there."""
+        if self.found_inf.device.type == "cuda":
+            flag = torch.empty((), dtype=self.found_inf.dtype, pin_memory=True)
+            flag.copy_(self.found_inf, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+            return flag, done, self.stepped, self.buckets
+        return self.found_inf.clone(), None, self.stepped, self.buckets
+
+
 class FastOptimizer(torch.optim.Optimizer):
     rule: Rule
     _step_supports_amp_scaling = True
@@ -37,6 +59,7 @@ class FastOptimizer(torch.optim.Optimizer):
         self.flat = bool(flat)
         self._flat_buckets: list[list[FlatBucket]] = []  # per param group, in flat mode
         self._bucket_caches: dict[tuple, dict] = {}
+        self._pending_skips: list[tuple] = []  # (found_inf flag, event, stepped states, flat buckets)
         defaults = dict(self.rule.defaults)
         unknown = set(hyper) - set(defaults)
         if unknown:
@@ -89,7 +112,7 @@ class FastOptimizer(torch.optim.Optimizer):
         names = [n for n, needed in zip(rule.state_names, rule.active(group)) if needed]
         if not force and all(n in bucket.state_buffers for n in names):
             return
-        states = [self.state[p] for p in bucket.params]
+        states = bucket.param_states = [self.state[p] for p in bucket.params]
         for name in set(names) | {n for st in states for n in st if n in rule.state_names}:
             _, views = bucket.state_buffer(name, rule.initial_value(name, group))
             for st, view in zip(states, views):
@@ -112,16 +135,33 @@ class FastOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         work = [self._collect(group) for group in self.param_groups]  # validates; mutates nothing
+        self._resolve_skips()
         found_inf = getattr(self, "found_inf", None)
-        if found_inf is not None and found_inf.item() != 0:
+        in_kernel = found_inf is not None and levels.skips_in_kernel(self.impl, found_inf.device)
+        if found_inf is not None and not in_kernel and found_inf.item() != 0:
             return loss  # GradScaler saw inf/NaN grads: this step changes nothing
-        grad_scale = getattr(self, "grad_scale", None)
+        amp = _Amp(getattr(self, "grad_scale", None), found_inf if in_kernel else None)
         for index, (group, params, grads) in enumerate(work):
             if self.flat:
-                self._step_flat(index, group, grad_scale)
+                self._step_flat(index, group, amp)
             elif params:
-                self._step_group(index, group, params, grads, grad_scale)
+                self._step_group(index, group, params, grads, amp)
+        if in_kernel:
+            self._pending_skips.append(amp.pending())
         return loss
+
+    def _resolve_skips(self) -> None:
+        """Steps the kernels skipped (found_inf) were counted optimistically; take them back now, reading
+        the flag a step later, when the kernel that set it has long finished."""
+        for flag, done, stepped, buckets in self._pending_skips:
+            if done is not None:
+                done.synchronize()
+            if flag.item() != 0:
+                for state in stepped:
+                    state["step"] -= 1
+                for bucket in buckets:
+                    bucket.step -= 1
+        self._pending_skips.clear()
 
     def _collect(self, group: dict) -> tuple[dict, list[Tensor], list[Tensor]]:
         self.rule.validate(group)
@@ -139,30 +179,33 @@ class FastOptimizer(torch.optim.Optimizer):
             grads.append(g)
         return group, params, grads
 
-    def _run(self, key: tuple, group: dict, step: int, params, grads, states, grad_scale) -> None:
+    def _run(self, key: tuple, group: dict, step: int, params, grads, states, amp: "_Amp") -> None:
         bucket = Bucket(params, grads, states, self._bucket_caches.setdefault(key, {}))
         run = levels.level(self.impl, bucket.device)
-        run(self.rule, bucket, group, step, self.rule.scalars(group, step), self.rule.flags(group), grad_scale)
+        extra = {} if amp.found_inf is None else {"found_inf": amp.found_inf}
+        run(self.rule, bucket, group, step, self.rule.scalars(group, step), self.rule.flags(group), amp.grad_scale,
+            **extra)
 
-    def _step_flat(self, index: int, group: dict, grad_scale: Tensor | None) -> None:
+    def _step_flat(self, index: int, group: dict, amp: "_Amp") -> None:
         rule = self.rule
         for b, bucket in enumerate(self._flat_buckets[index]):
             bucket.repair_grads()
             self._sync_flat_state(bucket, group)
             if bucket.step is None:  # params at different step counts (a loaded checkpoint): per param
-                self._step_group(index, group, bucket.params, [p.grad for p in bucket.params], grad_scale)
+                self._step_group(index, group, bucket.params, [p.grad for p in bucket.params], amp)
                 continue
             bucket.step = step = bucket.step + 1
             if rule.exports_step:
-                for p in bucket.params:
-                    self.state[p]["step"] = step
+                for state in bucket.param_states:
+                    state["step"] = step
+            if amp.found_inf is not None:
+                amp.buckets.append(bucket)
+                amp.stepped.extend(bucket.param_states if rule.exports_step else ())
             states = [[bucket.state_buffers[n]] if needed else None
                       for n, needed in zip(rule.state_names, rule.active(group))]
-            self._run((index, "flat", b), group, step, [bucket.param_buffer], [bucket.grad_buffer], states,
-                      grad_scale)
+            self._run((index, "flat", b), group, step, [bucket.param_buffer], [bucket.grad_buffer], states, amp)
 
-    def _step_group(self, index: int, group: dict, params: list[Tensor], grads: list[Tensor],
-                    grad_scale: Tensor | None) -> None:
+    def _step_group(self, index: int, group: dict, params: list[Tensor], grads: list[Tensor], amp: "_Amp") -> None:
         rule = self.rule
         names = [n for n, needed in zip(rule.state_names, rule.active(group)) if needed]
         counts_steps = rule.exports_step
@@ -180,6 +223,8 @@ class FastOptimizer(torch.optim.Optimizer):
                 fresh = True
             if counts_steps:
                 state["step"] = step = state["step"] + 1
+                if amp.found_inf is not None:
+                    amp.stepped.append(state)
             else:  # torch keeps no counter here (SGD, Lion): the rule only tells a first step from later ones
                 step = 1 if fresh else 2
             if p.is_complex():  # elementwise on the real view, as torch.optim does
@@ -197,7 +242,7 @@ class FastOptimizer(torch.optim.Optimizer):
         for (device, dtype, step), (ps, gs, ss) in buckets.items():
             it = iter(ss)
             states = [next(it) if needed else None for needed in active]
-            self._run((index, device, dtype), group, step, ps, gs, states, grad_scale)
+            self._run((index, device, dtype), group, step, ps, gs, states, amp)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """In flat mode grads are views of one buffer per bucket: zeroed with one memset, never set to None."""
@@ -225,6 +270,7 @@ class FastOptimizer(torch.optim.Optimizer):
     # --- state_dict in torch.optim's format -----------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
+        self._resolve_skips()
         sd = super().state_dict()
         scalar_dtype = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
         exported = {}

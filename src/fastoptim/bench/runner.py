@@ -10,7 +10,6 @@ from typing import Callable
 import torch
 
 from .. import registry
-from ..levels import LEVELS
 from . import workloads
 
 # torch.optim's fused CPU kernels exist for these
@@ -37,11 +36,13 @@ class Row:
         return (min(self.times_ms), max(self.times_ms)) if self.times_ms else (float("nan"),) * 2
 
 
-def rows_for(optimizer: str, impls: list[str], peers: bool = True) -> list[Row]:
+def rows_for(optimizer: str, impls: list[str], flat_impls: list[str] = (), peers: bool = True) -> list[Row]:
     spec = registry.get(optimizer)
     kwargs = dict(spec.option_sets[0])
     rows = [Row(f"fastoptim {impl}", "fastoptim", impl, lambda ps, impl=impl: spec.cls(ps, impl=impl, **kwargs))
             for impl in impls]
+    rows += [Row(f"fastoptim {impl} flat", "fastoptim", f"{impl}+flat",
+                 lambda ps, impl=impl: spec.cls(ps, impl=impl, flat=True, **kwargs)) for impl in flat_impls]
     if peers and spec.reference is not None:
         torch_cls = getattr(torch.optim, spec.reference)
         rows += [Row("torch loop", "torch", "loop", lambda ps: torch_cls(ps, foreach=False, **kwargs)),
@@ -56,10 +57,6 @@ def rows_for(optimizer: str, impls: list[str], peers: bool = True) -> list[Row]:
         rows.append(Row("flat floor", "fastoptim", "foreach",
                         lambda ps: spec.cls(ps, impl="foreach", **kwargs), flat=True))
     return rows
-
-
-def default_impls() -> list[str]:
-    return list(LEVELS)
 
 
 def state_bytes(opt: torch.optim.Optimizer) -> int:

@@ -20,6 +20,8 @@ def add_parser(sub) -> None:
                    help="optimizers to time (default: adamw)")
     p.add_argument("--impl", nargs="+", choices=list(LEVELS), default=list(LEVELS),
                    help="fastoptim levels to time (default: all)")
+    p.add_argument("--flat", nargs="*", choices=list(LEVELS), default=["fused", "compiled"],
+                   help="levels to time again with flat=True buffers (default: fused compiled)")
     p.add_argument("--params", type=bench.parse_count, default="25M",
                    help="size of the gpt and flat workloads, e.g. 25M, 1.5B (default: 25M)")
     p.add_argument("--rounds", type=int, default=7, help="interleaved timing rounds (default: 7)")
@@ -48,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
         if args.quick and workload == "mlp2000":
             shapes = shapes[:400]  # 200 layers
         for optimizer in args.optimizer:
-            jobs.append((workload, optimizer, shapes, bench.rows_for(optimizer, args.impl, not args.no_peers)))
+            jobs.append((workload, optimizer, shapes, bench.rows_for(optimizer, args.impl, args.flat, not args.no_peers)))
     total = sum(len(rows) * (1 + args.rounds) for *_, rows in jobs)
     results = []
     with _progress(total) as advance:

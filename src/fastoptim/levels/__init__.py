@@ -43,6 +43,12 @@ def unscaled(grads: list[Tensor], grad_scale: Tensor | None) -> list[Tensor]:
     return torch._foreach_mul(grads, inv_scale)
 
 
+def skips_in_kernel(impl: str, device: torch.device) -> bool:
+    """Whether ``impl`` on ``device`` reads GradScaler's found_inf inside its kernels (no host sync)."""
+    import os
+    return impl in ("auto", "fused") and (device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1")
+
+
 def level(impl: str, device: torch.device) -> Callable:
     """The run function for ``impl`` on ``device``; "auto" is the fused level, the fastest everywhere."""
     from . import compiled, foreach, fused, loop
@@ -51,4 +57,4 @@ def level(impl: str, device: torch.device) -> Callable:
             "loop": loop.run}[impl]
 
 
-__all__ = ["IMPLS", "LEVELS", "Bucket", "check_impl", "level", "unscaled", "Sequence"]
+__all__ = ["IMPLS", "LEVELS", "Bucket", "check_impl", "level", "skips_in_kernel", "unscaled", "Sequence"]

@@ -30,9 +30,16 @@ def _use_triton(bucket: Bucket) -> bool:
     return bucket.device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def run(rule, bucket: Bucket, group: dict, step: int, scalars: tuple, flags: tuple, grad_scale=None) -> None:
+
+def run(rule, bucket: Bucket, group: dict, step: int, scalars: tuple, flags: tuple, grad_scale=None,
+        found_inf=None) -> None:
+    """``found_inf`` comes only where ``skips_in_kernel`` holds: the kernel leaves everything as it was
+    when it is set."""
     if _use_triton(bucket):
-        return _run_triton(rule, bucket, group, step, scalars, flags, grad_scale)
+        return _run_triton(rule, bucket, group, step, scalars, flags, grad_scale, found_inf)
+    if found_inf is not None:  # a CPU bucket beside GPU ones: read the flag here, where it costs a copy
+        if found_inf.item() != 0:
+            return
     if rule.torch_fused is not None and bucket.params[0].dtype in TORCH_FUSED_DTYPES:
         # torch's kernels walk p, g and states as one linear layout: strided tensors go the foreach way
         strided = [i for i, (p, g) in enumerate(zip(bucket.params, bucket.grads))
@@ -55,15 +62,17 @@ def run(rule, bucket: Bucket, group: dict, step: int, scalars: tuple, flags: tup
     return foreach.run(rule, bucket, group, step, scalars, flags, grad_scale)
 
 
-def _run_triton(rule, bucket: Bucket, group, step, scalars, flags, grad_scale) -> None:
+def _run_triton(rule, bucket: Bucket, group, step, scalars, flags, grad_scale, found_inf) -> None:
     from . import triton_kernels
 
     table = bucket.cache.get("triton_table")
     if table is None:
         table = bucket.cache["triton_table"] = triton_kernels.TensorTable()
     fallback = triton_kernels.run(rule.update, rule.state_names, bucket.params, bucket.grads, bucket.states,
-                                  scalars, flags, table, grad_scale=grad_scale)
+                                  scalars, flags, table, grad_scale=grad_scale, found_inf=found_inf)
     if fallback:
+        if found_inf is not None and found_inf.item() != 0:  # the safe path cannot skip by itself
+            return
         foreach.run(rule, _subset(bucket, fallback), group, step, scalars, flags, grad_scale)
 
 
