@@ -49,14 +49,26 @@ def rows_for(optimizer: str, impls: list[str], flat_impls: list[str] = (), peers
                  Row("torch foreach", "torch", "foreach", lambda ps: torch_cls(ps, foreach=True, **kwargs))]
         if spec.name in TORCH_FUSED:
             rows.append(Row("torch fused", "torch", "fused", lambda ps: torch_cls(ps, fused=True, **kwargs)))
-    # the flat floor: the best torch (or fastoptim, when torch has no such optimizer) step on ONE tensor
-    if spec.name in TORCH_FUSED:
-        floor_cls = getattr(torch.optim, spec.reference)
-        rows.append(Row("flat floor", "torch", "fused", lambda ps: floor_cls(ps, fused=True, **kwargs), flat=True))
-    else:
-        rows.append(Row("flat floor", "fastoptim", "foreach",
-                        lambda ps: spec.cls(ps, impl="foreach", **kwargs), flat=True))
+    rows.append(floor_row(spec, kwargs))
     return rows
+
+
+# torch fused kernels on one flat tensor that move the same bytes per param as a rule with n states
+_SAME_BYTES = {0: ("SGD", {}), 1: ("SGD", {"momentum": 0.9}), 2: ("AdamW", {}), 3: ("Adam", {"amsgrad": True})}
+
+
+def floor_row(spec, kwargs: dict) -> Row:
+    """The flat floor: torch's fused step on ONE flat tensor of the workload's size (the memory-bound best
+    case). Where torch has no fused kernel for the optimizer, a torch fused kernel that moves the same bytes
+    per param (same number of states) stands in, and the row's impl says which."""
+    if spec.name in TORCH_FUSED:
+        cls, floor_kwargs, what = getattr(torch.optim, spec.reference), kwargs, spec.reference
+    else:
+        rule = spec.cls.rule
+        n_states = sum(rule.active({**rule.defaults, **kwargs}))
+        name, floor_kwargs = _SAME_BYTES[n_states]
+        cls, what = getattr(torch.optim, name), f"{name}{floor_kwargs or ''} (same bytes)"
+    return Row("flat floor", "torch", f"fused {what}", lambda ps: cls(ps, fused=True, **floor_kwargs), flat=True)
 
 
 def state_bytes(opt: torch.optim.Optimizer) -> int:
