@@ -165,3 +165,28 @@ def test_flat_state_dict_round_trips_with_torch(level):
 def test_flat_mode_refuses_complex_params():
     with pytest.raises(ValueError, match="flat=True"):
         fastoptim.Adam([torch.nn.Parameter(torch.randn(3, dtype=torch.complex64))], flat=True)
+
+
+@pytest.mark.parametrize("saved_steps", [0, 2])
+def test_flat_sgd_loads_torch_state_with_first_step_semantics(saved_steps):
+    """torch's SGD keeps no step: an empty checkpoint means the next step is a first step (buffer = grad)."""
+    params = make_params()
+    ref_p = clone_params(params)
+    opts = dict(lr=0.1, momentum=0.9, dampening=0.5)
+    ref = torch.optim.SGD(ref_p, foreach=False, **opts)
+    for step in range(1, saved_steps + 1):
+        set_grads(step, [ref_p], none_every=10 ** 9)
+        ref.step()
+    ours_p = clone_params(ref_p)
+    ours = OPTIMIZERS["sgd"].cls(ours_p, flat=True, **opts)
+    set_grads(99, [ours_p], none_every=10 ** 9)  # a step before loading: the load must reset it
+    ours.step()
+    for p, q in zip(ours_p, ref_p):
+        p.data.copy_(q.detach())
+    ours.load_state_dict(ref.state_dict())
+    for step in range(saved_steps + 1, saved_steps + 4):
+        set_grads(step, [ours_p, ref_p], none_every=10 ** 9)
+        ours.step()
+        ref.step()
+    for a, b in zip(ours_p, ref_p):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)

@@ -113,17 +113,23 @@ class FastOptimizer(torch.optim.Optimizer):
         if not force and all(n in bucket.state_buffers for n in names):
             return
         states = bucket.param_states = [self.state[p] for p in bucket.params]
+        had_state = [any(n in st for n in rule.state_names) for st in states]
         for name in set(names) | {n for st in states for n in st if n in rule.state_names}:
-            _, views = bucket.state_buffer(name, rule.initial_value(name, group))
+            fill = rule.initial_value(name, group)
+            _, views = bucket.state_buffer(name, fill)
             for st, view in zip(states, views):
                 value = st.get(name)
-                if value is not None and value is not view:
+                if value is None:
+                    view.fill_(fill)  # (re)loaded without this state: it starts afresh
+                elif value is not view:
                     view.copy_(value)
                 st[name] = view
         if rule.exports_step:
             steps = {st.setdefault("step", 0) for st in states}
-        else:  # no counter in torch's state: a loaded buffer means past the first step
-            steps = {1 if any(n in st for n in rule.state_names) else 0 for st in states} if force else {bucket.step}
+        elif force:  # no counter in torch's state: a loaded buffer means past the first step
+            steps = {1 if had else 0 for had in had_state}
+        else:
+            steps = {bucket.step}
         bucket.step = steps.pop() if len(steps) == 1 else None
 
     # --- the step -------------------------------------------------------------------------------
