@@ -297,6 +297,7 @@ class FastOptimizer(torch.optim.Optimizer):
         state_dict["state"] = {k: {n: v.clone() if isinstance(v, Tensor) else copy.deepcopy(v)
                                    for n, v in s.items()}
                                for k, s in state_dict["state"].items()}
+        self._pending_skips.clear()  # they speak of the state being replaced
         super().load_state_dict(state_dict)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
