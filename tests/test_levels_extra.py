@@ -190,3 +190,52 @@ def test_flat_sgd_loads_torch_state_with_first_step_semantics(saved_steps):
         ref.step()
     for a, b in zip(ours_p, ref_p):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+TENSOR_HYPER = {"sgd": ("lr", "momentum"), "adam": ("lr", "betas"), "adamw": ("lr", "betas"),
+                "rmsprop": ("lr", "momentum"), "adagrad": ("lr",), "lion": ("lr", "betas")}
+
+
+def _as_tensors(group: dict, keys) -> None:
+    for k in keys:
+        v = group[k]
+        group[k] = tuple(torch.tensor(float(b)) for b in v) if isinstance(v, tuple) else torch.tensor(float(v))
+
+
+def run_with_tensor_hyperparameters(name, level, flat=False, steps=5):
+    """The same run twice: hyper-parameters as Python floats, and as 0-d tensors written in place each step
+    (as a device-side schedule would). Returns both param lists."""
+    spec = OPTIMIZERS[name]
+    opts = dict(spec.option_sets[1])
+    if name in ("sgd", "rmsprop"):
+        opts["momentum"] = 0.9
+    runs = []
+    for as_tensor in (False, True):
+        params = make_params()
+        opt = spec.cls(params, impl=level, flat=flat, **opts)
+        if as_tensor:
+            _as_tensors(opt.param_groups[0], TENSOR_HYPER[name])
+        for step in range(1, steps + 1):
+            group = opt.param_groups[0]
+            lr = opts["lr"] * (1 + 0.1 * step)
+            if as_tensor:
+                group["lr"].fill_(lr)
+            else:
+                group["lr"] = lr
+            set_grads(step, [params], none_every=10 ** 9)
+            opt.step()
+        runs.append(params)
+    return runs
+
+
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_tensor_hyperparameters_match_floats(name, level):
+    floats, tensors = run_with_tensor_hyperparameters(name, level)
+    for a, b in zip(floats, tensors):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+def test_tensor_hyperparameter_must_hold_one_float():
+    with pytest.raises(TypeError, match="lr as a tensor"):
+        fastoptim.Adam(make_params(), lr=torch.tensor([1e-3, 1e-3]))

@@ -237,3 +237,31 @@ def test_grad_scaler_skips_inside_the_kernel_without_reading_found_inf(interpret
     for (_, a, _, _), (_, b, _, _) in zip(ours_rec, ref_rec):
         for x, y in zip(a, b):
             torch.testing.assert_close(x, y, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_kernel_reads_tensor_hyperparameters_from_memory(interpret, name):
+    from test_levels_extra import run_with_tensor_hyperparameters
+    floats, tensors = run_with_tensor_hyperparameters(name, "fused")
+    for a, b in zip(floats, tensors):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+def test_kernel_with_scalars_in_memory_keeps_vector_access():
+    rule = OPTIMIZERS["adamw"].cls.rule
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    import triton
+    import triton.language as tl
+    group = dict(rule.defaults)
+    n = len(rule.scalars(group, 1))
+    kernel = tk.kernel_for(rule.update, rule.state_names, rule.active(group), n, len(rule.flags(group)), False)
+    sig = {"table": "*i64", "chunks": "*i64", "grad_scale": "*fp32", "found_inf": "*fp32", "scalars": "*fp32"}
+    sig.update({f"c{i}": "fp32" for i in range(n)})
+    consts = dict(P_DTYPE=tl.float32, CHUNK=tk.CHUNK, BLOCK=tk.BLOCK, HAS_SCALE=True, HAS_INF=True,
+                  SCALARS_IN_MEMORY=True, **{f"F{i}": f for i, f in enumerate(rule.flags(group))})
+    sig.update({k: "constexpr" for k in consts})
+    ptx = triton.compile(ASTSource(kernel, sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
+                         options={"num_warps": tk.NUM_WARPS, "enable_fp_fusion": False}).asm["ptx"]
+    assert _count(ptx, r"ld\.global(\.\w+)*\.v4\.b32") == 4 * VECTORS_PER_ARRAY
+    assert _count(ptx, r"st\.global(\.\w+)*\.v4\.b32") == 3 * VECTORS_PER_ARRAY

@@ -43,6 +43,14 @@ def unscaled(grads: list[Tensor], grad_scale: Tensor | None) -> list[Tensor]:
     return torch._foreach_mul(grads, inv_scale)
 
 
+def pack_scalars(scalars: tuple, device: torch.device) -> Tensor:
+    """The step's scalars as one float32 tensor on ``device``; tensor-valued ones (an lr kept on the device)
+    are gathered there without a trip through the host."""
+    if not any(isinstance(s, Tensor) for s in scalars):
+        return torch.tensor(scalars, dtype=torch.float32).to(device, non_blocking=True)
+    return torch.stack([torch.as_tensor(s, dtype=torch.float32, device=device).reshape(()) for s in scalars])
+
+
 def skips_in_kernel(impl: str, device: torch.device) -> bool:
     """Whether ``impl`` on ``device`` reads GradScaler's found_inf inside its kernels (no host sync)."""
     import os
@@ -57,4 +65,4 @@ def level(impl: str, device: torch.device) -> Callable:
             "loop": loop.run}[impl]
 
 
-__all__ = ["IMPLS", "LEVELS", "Bucket", "check_impl", "level", "skips_in_kernel", "unscaled", "Sequence"]
+__all__ = ["IMPLS", "LEVELS", "Bucket", "check_impl", "level", "pack_scalars", "skips_in_kernel", "unscaled", "Sequence"]

@@ -16,7 +16,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from . import Bucket, loop, unscaled
+from . import Bucket, loop, pack_scalars, unscaled
 
 
 def _in_place(update: Callable, flags: tuple) -> Callable:
@@ -40,7 +40,7 @@ def compiled_step(update: Callable, flags: tuple, dtype: torch.dtype) -> Callabl
 
 def run(rule, bucket: Bucket, group: dict, step: int, scalars: tuple, flags: tuple, grad_scale=None) -> None:
     fn = compiled_step(rule.update, tuple(flags), bucket.params[0].dtype)
-    scalars_t = torch.tensor(scalars, dtype=torch.float32).to(bucket.device, non_blocking=True)
+    scalars_t = pack_scalars(scalars, bucket.device)
     grads = unscaled(bucket.grads, grad_scale)
     strided = []  # non-contiguous tensors: each layout would be a recompile; they run eagerly instead
     for i, (p, g) in enumerate(zip(bucket.params, grads)):

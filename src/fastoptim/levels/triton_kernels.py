@@ -10,7 +10,8 @@ for the rule's arity:
   the GPU; each program walks its chunk in unmasked ``BLOCK``-sized steps, then one masked tail:
   with the 16-byte alignment hints that split is what gives 128-bit vector loads and stores;
 * AMP: ``grad_scale`` and ``found_inf`` are read inside the kernel (unscale; skip when inf), so
-  ``torch.amp.GradScaler`` needs no host sync.
+  ``torch.amp.GradScaler`` needs no host sync; hyper-parameters held as device tensors (an lr a
+  schedule writes in place) are read from memory the same way.
 The arithmetic runs in fp32 whatever the storage dtype.
 """
 
@@ -27,6 +28,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 from triton.runtime.jit import JITFunction
+
+from . import pack_scalars
 
 CHUNK = 1 << 16
 BLOCK = 1024
@@ -82,9 +85,11 @@ def triton_twin(update: Callable, interpret: bool = False):
 # --- the multi-tensor kernel, generated for a rule's arity ---------------------------------------------
 
 _TEMPLATE = '''
-def {name}(table, chunks, grad_scale, found_inf, {scalar_args}
+def {name}(table, chunks, grad_scale, found_inf, scalars, {scalar_args}
            P_DTYPE: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
-           HAS_SCALE: tl.constexpr, HAS_INF: tl.constexpr, {flag_args}):
+           HAS_SCALE: tl.constexpr, HAS_INF: tl.constexpr, SCALARS_IN_MEMORY: tl.constexpr, {flag_args}):
+    if SCALARS_IN_MEMORY:  # tensor-valued hyper-parameters: read on the device, never synced to the host
+{scalar_loads}
     if HAS_INF:
         if tl.load(found_inf) != 0:
             return
@@ -144,6 +149,7 @@ def kernel_for(update: Callable, state_names: tuple[str, ...], active: tuple[boo
     source = _TEMPLATE.format(
         name=name,
         scalar_args="".join(f"c{i}, " for i in range(n_scalars)),
+        scalar_loads="\n".join(f"        c{i} = tl.load(scalars + {i})" for i in range(n_scalars)) or "        pass",
         flag_args=", ".join(f"F{i}: tl.constexpr" for i in range(n_flags)),
         row_len=3 + len(state_names),
         state_ptrs=state_ptrs or "    pass",
@@ -208,12 +214,15 @@ def run(update: Callable, state_names: tuple[str, ...], params: list[Tensor], gr
     # inactive states get the param's address: never read, keeps every row the same length
     table.update([params, grads] + [s if s is not None else params for s in states])
     if table.n_chunks:
-        dummy = table.table  # any pointer: unused when the AMP flags are off
+        dummy = table.table  # any pointer: unused when the flags that name it are off
+        in_memory = any(isinstance(c, Tensor) for c in scalars)
+        packed = pack_scalars(scalars, params[0].device) if in_memory else dummy
         kernel[(table.n_chunks,)](
             table.table, table.chunks, grad_scale if grad_scale is not None else dummy,
-            found_inf if found_inf is not None else dummy, *[float(c) for c in scalars],
+            found_inf if found_inf is not None else dummy, packed,
+            *[0.0 if in_memory else float(c) for c in scalars],
             P_DTYPE=TORCH_TO_TL[params[0].dtype], CHUNK=CHUNK, BLOCK=BLOCK,
-            HAS_SCALE=grad_scale is not None, HAS_INF=found_inf is not None,
+            HAS_SCALE=grad_scale is not None, HAS_INF=found_inf is not None, SCALARS_IN_MEMORY=in_memory,
             **{f"F{i}": bool(f) for i, f in enumerate(flags)}, num_warps=NUM_WARPS, enable_fp_fusion=False)
     return table.fallback
 
@@ -229,9 +238,11 @@ def compile_for_gpu(rule, group: dict, dtype: torch.dtype = torch.float32, capab
     flags = rule.flags(group)
     n_scalars = len(rule.scalars(group, 1))
     kernel = kernel_for(rule.update, tuple(rule.state_names), active, n_scalars, len(flags), False)
-    signature = {"table": "*i64", "chunks": "*i64", "grad_scale": "*fp32", "found_inf": "*fp32"}
+    signature = {"table": "*i64", "chunks": "*i64", "grad_scale": "*fp32", "found_inf": "*fp32",
+                 "scalars": "*fp32"}
     signature.update({f"c{i}": "fp32" for i in range(n_scalars)})
     constants = dict(P_DTYPE=TORCH_TO_TL[dtype], CHUNK=CHUNK, BLOCK=BLOCK, HAS_SCALE=False, HAS_INF=False,
+                     SCALARS_IN_MEMORY=False,
                      **{f"F{i}": bool(f) for i, f in enumerate(flags)})
     signature.update({name: "constexpr" for name in constants})
     return triton.compile(ASTSource(kernel, signature, constexprs=constants),

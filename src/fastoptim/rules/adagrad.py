@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import Rule, steps_list, _number, check_bool, check_nonnegative
+from .base import Rule, check_bool, check_nonnegative, nonzero, steps_list
 from .prims import sqrt
 
 
@@ -39,10 +39,10 @@ class AdagradRule(Rule):
         check_bool(group, "maximize")
 
     def flags(self, group):
-        return (group["maximize"], group["weight_decay"] != 0)
+        return (group["maximize"], nonzero(group["weight_decay"]))
 
     def torch_fused(self, params, grads, states, group, step, grad_scale=None, found_inf=None):
-        """torch's own fused kernel for this math (used on flat CPU buffers, where it is the fastest)."""
+        """torch's own fused kernel for this math (the fused level uses it on the CPU)."""
         (state_sum,) = states
         torch._fused_adagrad_(params, grads, state_sum, steps_list(step, params), lr=float(group["lr"]),
                               lr_decay=float(group["lr_decay"]), weight_decay=float(group["weight_decay"]),
@@ -50,8 +50,8 @@ class AdagradRule(Rule):
                               found_inf=found_inf)
 
     def scalars(self, group, step):
-        clr = float(group["lr"]) / (1 + (step - 1) * float(group["lr_decay"]))
-        return (clr, float(group["eps"]), float(group["weight_decay"]))
+        clr = group["lr"] / (1 + (step - 1) * group["lr_decay"])
+        return (clr, group["eps"], group["weight_decay"])
 
     def initial_value(self, name, group):
-        return _number("initial_accumulator_value", group["initial_accumulator_value"])
+        return float(group["initial_accumulator_value"])

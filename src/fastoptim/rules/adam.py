@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import Rule, steps_list, check_betas, check_bool, check_nonnegative
+from .base import Rule, nonzero, steps_list, check_betas, check_bool, check_nonnegative
 from .prims import maximum, sqrt
 
 
@@ -58,10 +58,10 @@ class AdamRule(Rule):
         return (True, True, group["amsgrad"])
 
     def flags(self, group):
-        return (group["maximize"], group["weight_decay"] != 0, self.decoupled, group["amsgrad"])
+        return (group["maximize"], nonzero(group["weight_decay"]), self.decoupled, group["amsgrad"])
 
     def torch_fused(self, params, grads, states, group, step, grad_scale=None, found_inf=None):
-        """torch's own fused kernel for this math (used on flat CPU buffers, where it is the fastest)."""
+        """torch's own fused kernel for this math (the fused level uses it on the CPU)."""
         exp_avg, exp_avg_sq, max_exp_avg_sq = states
         fn = torch._fused_adamw_ if self.decoupled else torch._fused_adam_
         beta1, beta2 = group["betas"]
@@ -71,9 +71,9 @@ class AdamRule(Rule):
            grad_scale=grad_scale, found_inf=found_inf)
 
     def scalars(self, group, step):
-        lr, wd = float(group["lr"]), float(group["weight_decay"])
-        beta1, beta2 = (float(b) for b in group["betas"])
+        lr, wd = group["lr"], group["weight_decay"]
+        beta1, beta2 = group["betas"]
         bias_correction1 = 1 - beta1 ** step
         bias_correction2 = 1 - beta2 ** step
-        return (lr / bias_correction1, 1 - beta1, beta2, 1 - beta2, float(group["eps"]), wd, 1 - lr * wd,
+        return (lr / bias_correction1, 1 - beta1, beta2, 1 - beta2, group["eps"], wd, 1 - lr * wd,
                 bias_correction2 ** 0.5)

@@ -61,9 +61,14 @@ def steps_list(step: int, params: list) -> list:
 
 # --- shared validation helpers: each names the argument it rejects -----------------------------
 
-def _number(name: str, value: Any) -> float:
-    if hasattr(value, "numel") and value.numel() == 1:  # a 0-d tensor (lr on device, scheduled betas)
-        value = value.item()
+def _number(name: str, value: Any) -> float | None:
+    """The value as a float, or None for a one-element float tensor: a tensor hyper-parameter (an lr a
+    schedule writes on the device) is not read back to the host, so its range is the writer's duty."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or not value.is_floating_point():
+            raise TypeError(f"{name} as a tensor must hold one floating-point value, got shape "
+                            f"{tuple(value.shape)} and dtype {value.dtype}")
+        return None
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name} must be a number, got {type(value).__name__}: {value!r}")
     if math.isnan(value):
@@ -71,17 +76,22 @@ def _number(name: str, value: Any) -> float:
     return float(value)
 
 
+def nonzero(value: Any) -> bool:
+    """Whether a feature that a zero hyper-parameter turns off is on; a tensor value counts as on."""
+    return isinstance(value, torch.Tensor) or value != 0
+
+
 def check_nonnegative(group: dict, *names: str) -> None:
     for name in names:
         value = _number(name, group[name])
-        if value < 0.0:
+        if value is not None and value < 0.0:
             raise ValueError(f"Invalid {name}: {value} (must be >= 0)")
 
 
 def check_unit_interval(name: str, value: Any) -> None:
     """``value`` in [0, 1): the range of betas, alpha and momentum-like decay rates."""
     value = _number(name, value)
-    if not 0.0 <= value < 1.0:
+    if value is not None and not 0.0 <= value < 1.0:
         raise ValueError(f"Invalid {name}: {value} (must be in [0, 1))")
 
 

@@ -8,7 +8,7 @@ r"""Lion, EvoLved Sign Momentum (Chen et al. 2023, "Symbolic Discovery of Optimi
 
 from __future__ import annotations
 
-from .base import Rule, check_betas, check_bool, check_nonnegative
+from .base import Rule, nonzero, check_betas, check_bool, check_nonnegative
 from .prims import sign
 
 
@@ -37,9 +37,9 @@ class LionRule(Rule):
         check_bool(group, "maximize")
 
     def flags(self, group):
-        return (group["maximize"], group["weight_decay"] != 0)
+        return (group["maximize"], nonzero(group["weight_decay"]))
 
     def scalars(self, group, step):
-        lr = float(group["lr"])
-        beta1, beta2 = (float(b) for b in group["betas"])
-        return (lr, beta1, 1 - beta1, beta2, 1 - beta2, 1 - lr * float(group["weight_decay"]))
+        lr = group["lr"]
+        beta1, beta2 = group["betas"]
+        return (lr, beta1, 1 - beta1, beta2, 1 - beta2, 1 - lr * group["weight_decay"])

@@ -10,7 +10,7 @@ r"""RMSprop (Hinton 2012; centered variant Graves 2013), torch.optim.RMSprop's s
 
 from __future__ import annotations
 
-from .base import Rule, check_bool, check_nonnegative, check_unit_interval
+from .base import Rule, nonzero, check_bool, check_nonnegative, check_unit_interval
 from .prims import sqrt
 
 
@@ -48,12 +48,12 @@ class RMSpropRule(Rule):
         check_bool(group, "centered", "maximize")
 
     def active(self, group):
-        return (True, group["momentum"] > 0, group["centered"])
+        return (True, nonzero(group["momentum"]), group["centered"])
 
     def flags(self, group):
-        return (group["maximize"], group["weight_decay"] != 0, group["momentum"] > 0, group["centered"])
+        return (group["maximize"], nonzero(group["weight_decay"]), nonzero(group["momentum"]), group["centered"])
 
     def scalars(self, group, step):
-        alpha = float(group["alpha"])
-        return (float(group["lr"]), alpha, 1 - alpha, float(group["eps"]), float(group["weight_decay"]),
-                float(group["momentum"]))
+        alpha = group["alpha"]
+        return (group["lr"], alpha, 1 - alpha, group["eps"], group["weight_decay"],
+                group["momentum"])

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import Rule, steps_list, check_bool, check_nonnegative, _number
+from .base import Rule, _number, check_bool, check_nonnegative, nonzero, steps_list
 
 
 def sgd_update(p, g, momentum_buffer,
@@ -44,18 +44,19 @@ class SGDRule(Rule):
         check_nonnegative(group, "lr", "momentum", "weight_decay")
         _number("dampening", group["dampening"])
         check_bool(group, "nesterov", "maximize")
-        if group["nesterov"] and (_number("momentum", group["momentum"]) <= 0 or group["dampening"] != 0):
+        momentum = _number("momentum", group["momentum"])
+        if group["nesterov"] and ((momentum is not None and momentum <= 0) or group["dampening"] != 0):
             raise ValueError("nesterov=True requires momentum > 0 and dampening = 0 "
                              f"(got momentum={group['momentum']}, dampening={group['dampening']})")
 
     def active(self, group):
-        return (group["momentum"] != 0,)
+        return (nonzero(group["momentum"]),)
 
     def flags(self, group):
-        return (group["maximize"], group["weight_decay"] != 0, group["momentum"] != 0, group["nesterov"])
+        return (group["maximize"], nonzero(group["weight_decay"]), nonzero(group["momentum"]), group["nesterov"])
 
     def torch_fused(self, params, grads, states, group, step, grad_scale=None, found_inf=None):
-        """torch's own fused kernel for this math (used on flat CPU buffers, where it is the fastest)."""
+        """torch's own fused kernel for this math (the fused level uses it on the CPU)."""
         (momentum_buffer,) = states
         torch._fused_sgd_(params, grads, momentum_buffer or [], weight_decay=float(group["weight_decay"]),
                           momentum=float(group["momentum"]), lr=float(group["lr"]),
@@ -65,6 +66,6 @@ class SGDRule(Rule):
 
     def scalars(self, group, step):
         first = step == 1
-        return (float(group["lr"]), float(group["momentum"]), float(group["weight_decay"]),
-                0.0 if first else float(group["momentum"]),
-                1.0 if first else 1.0 - float(group["dampening"]))
+        return (group["lr"], group["momentum"], group["weight_decay"],
+                0.0 if first else group["momentum"],
+                1.0 if first else 1.0 - group["dampening"])
