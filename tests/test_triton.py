@@ -107,7 +107,7 @@ def test_table_is_cached_until_an_address_changes(interpret):
 
 @pytest.mark.parametrize("name,index", CASES)
 def test_kernel_unscales_and_skips_with_amp_tensors(interpret, name, index):
-    """grad_scale and found_inf are read inside the kernel: no host sync."""
+    """The grad multiplier (1/scale) and found_inf are read inside the kernel: no host sync."""
     spec = OPTIMIZERS[name]
     rule = spec.cls.rule
     group = {**rule.defaults, **spec.option_sets[index]}
@@ -128,7 +128,7 @@ def test_kernel_unscales_and_skips_with_amp_tensors(interpret, name, index):
 
     before = ([p.clone() for p in params], [None if s is None else [t.clone() for t in s] for s in states])
     tk.run(rule.update, rule.state_names, params, scaled, states, scalars, flags, tk.TensorTable(),
-           grad_scale=scale, found_inf=torch.tensor(1.0))
+           grad_mul=1 / scale, found_inf=torch.tensor(1.0))
     for a, b in zip(params, before[0]):
         assert torch.equal(a, b)  # inf seen: params untouched
     for s, b in zip(states, before[1]):
@@ -136,7 +136,7 @@ def test_kernel_unscales_and_skips_with_amp_tensors(interpret, name, index):
             assert all(torch.equal(x, y) for x, y in zip(s, b))
 
     tk.run(rule.update, rule.state_names, params, scaled, states, scalars, flags, tk.TensorTable(),
-           grad_scale=scale, found_inf=torch.tensor(0.0))
+           grad_mul=1 / scale, found_inf=torch.tensor(0.0))
     for a, b in zip(params, ref_p):  # random states can make centered RMSprop's variance negative: NaN alike
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5, equal_nan=True)
 
@@ -256,12 +256,27 @@ def test_kernel_with_scalars_in_memory_keeps_vector_access():
     group = dict(rule.defaults)
     n = len(rule.scalars(group, 1))
     kernel = tk.kernel_for(rule.update, rule.state_names, rule.active(group), n, len(rule.flags(group)), False)
-    sig = {"table": "*i64", "chunks": "*i64", "grad_scale": "*fp32", "found_inf": "*fp32", "scalars": "*fp32"}
+    sig = {"table": "*i64", "chunks": "*i64", "grad_mul": "*fp32", "found_inf": "*fp32", "scalars": "*fp32"}
     sig.update({f"c{i}": "fp32" for i in range(n)})
-    consts = dict(P_DTYPE=tl.float32, CHUNK=tk.CHUNK, BLOCK=tk.BLOCK, HAS_SCALE=True, HAS_INF=True,
+    consts = dict(P_DTYPE=tl.float32, CHUNK=tk.CHUNK, BLOCK=tk.BLOCK, HAS_GRAD_MUL=True, HAS_INF=True,
                   SCALARS_IN_MEMORY=True, **{f"F{i}": f for i, f in enumerate(rule.flags(group))})
     sig.update({k: "constexpr" for k in consts})
     ptx = triton.compile(ASTSource(kernel, sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
                          options={"num_warps": tk.NUM_WARPS, "enable_fp_fusion": False}).asm["ptx"]
     assert _count(ptx, r"ld\.global(\.\w+)*\.v4\.b32") == 4 * VECTORS_PER_ARRAY
     assert _count(ptx, r"st\.global(\.\w+)*\.v4\.b32") == 3 * VECTORS_PER_ARRAY
+
+
+@pytest.mark.parametrize("flat", [False, True])
+def test_clip_factor_applied_inside_the_kernel(interpret, flat):
+    ours_p = make_params()
+    ref_p = clone_params(ours_p)
+    ours = OPTIMIZERS["adamw"].cls(ours_p, impl="fused", flat=flat, max_grad_norm=0.5, lr=1e-2)
+    ref = torch.optim.AdamW(ref_p, lr=1e-2, foreach=False)
+    for step in range(1, 4):
+        set_grads(step, [ours_p, ref_p], none_every=10 ** 9)
+        torch.nn.utils.clip_grad_norm_(ref_p, 0.5)
+        ours.step()
+        ref.step()
+        for a, b in zip(ours_p, ref_p):
+            torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)

@@ -1,5 +1,7 @@
 """fastoptim: torch.optim drop-in optimizers, each written once and run at the level you choose."""
 
+from . import schedules
+from .clip import clip_grad_norm_, grad_norm
 from .factory import create, param_groups
 from .levels import IMPLS
 from .optimizer import FastOptimizer
@@ -9,4 +11,4 @@ from .registry import OPTIMIZERS
 __version__ = "0.1.0"
 
 __all__ = ["SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Lion", "FastOptimizer", "create", "param_groups",
-           "OPTIMIZERS", "IMPLS", "__version__"]
+           "OPTIMIZERS", "IMPLS", "clip_grad_norm_", "grad_norm", "schedules", "__version__"]

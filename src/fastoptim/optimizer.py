@@ -11,7 +11,8 @@ With ``flat=True`` each group's params, grads and states live in one buffer per 
 (``flat.FlatBucket``) and a step is one pass over those buffers.
 
 torch.amp.GradScaler hands the step ``grad_scale`` and ``found_inf`` (``_step_supports_amp_scaling``):
-a step with inf/NaN grads changes nothing; otherwise grads are unscaled inside the update. The fused
+a step with inf/NaN grads changes nothing; otherwise grads are unscaled inside the update, together with
+the clip factor of ``max_grad_norm`` (global norm of the unscaled grads, one multi-tensor reduction). The fused
 GPU kernels read ``found_inf`` themselves (no host sync): the step is counted optimistically and taken
 back at the next step if the flag was set; other levels read the flag first.
 """
@@ -25,7 +26,7 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import Tensor
 
-from . import levels
+from . import clip, levels
 from .flat import FlatBucket
 from .levels import Bucket
 from .rules import Rule
@@ -33,8 +34,8 @@ from .rules import Rule
 
 @dataclass
 class _Amp:
-    """What GradScaler handed this step. ``found_inf`` is set only when the kernels skip by themselves."""
-    grad_scale: Tensor | None
+    """What this step multiplies the grads by, and GradScaler's found_inf when the kernels skip by themselves."""
+    grad_mul: Tensor | None
     found_inf: Tensor | None
     stepped: list[dict] = field(default_factory=list)  # state dicts whose step was counted optimistically
     buckets: list[FlatBucket] = field(default_factory=list)
@@ -54,9 +55,15 @@ class FastOptimizer(torch.optim.Optimizer):
     rule: Rule
     _step_supports_amp_scaling = True
 
-    def __init__(self, params: Iterable, impl: str = "auto", flat: bool = False, **hyper: Any):
+    def __init__(self, params: Iterable, impl: str = "auto", flat: bool = False,
+                 max_grad_norm: float | None = None, **hyper: Any):
         self.impl = levels.check_impl(impl)
         self.flat = bool(flat)
+        if max_grad_norm is not None and (isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float))
+                                          or not max_grad_norm > 0):
+            raise ValueError(f"Invalid max_grad_norm: {max_grad_norm!r} (must be a number > 0, or None)")
+        self.max_grad_norm = max_grad_norm
+        self.last_grad_norm: Tensor | None = None  # the global grad norm of the last step, with max_grad_norm
         self._flat_buckets: list[list[FlatBucket]] = []  # per param group, in flat mode
         self._bucket_caches: dict[tuple, dict] = {}
         self._pending_skips: list[tuple] = []  # (found_inf flag, event, stepped states, flat buckets)
@@ -141,12 +148,15 @@ class FastOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         work = [self._collect(group) for group in self.param_groups]  # validates; mutates nothing
+        for buckets in self._flat_buckets:  # grads a user replaced go back into the flat buffers first
+            for bucket in buckets:
+                bucket.repair_grads()
         self._resolve_skips()
         found_inf = getattr(self, "found_inf", None)
         in_kernel = found_inf is not None and levels.skips_in_kernel(self.impl, found_inf.device)
         if found_inf is not None and not in_kernel and found_inf.item() != 0:
             return loss  # GradScaler saw inf/NaN grads: this step changes nothing
-        amp = _Amp(getattr(self, "grad_scale", None), found_inf if in_kernel else None)
+        amp = _Amp(self._grad_mul(work), found_inf if in_kernel else None)
         for index, (group, params, grads) in enumerate(work):
             if self.flat:
                 self._step_flat(index, group, amp)
@@ -155,6 +165,24 @@ class FastOptimizer(torch.optim.Optimizer):
         if in_kernel:
             self._pending_skips.append(amp.pending())
         return loss
+
+    def _grad_mul(self, work: list) -> Tensor | None:
+        """What the update multiplies the grads by: GradScaler's 1/scale (as GradScaler.unscale_ computes it),
+        times the clip factor of ``max_grad_norm`` from the global norm of the unscaled grads."""
+        grad_scale = getattr(self, "grad_scale", None)
+        grad_mul = None if grad_scale is None else grad_scale.double().reciprocal().float()
+        if self.max_grad_norm is None:
+            return grad_mul
+        if self.flat:
+            grads = [bucket.grad_buffer for buckets in self._flat_buckets for bucket in buckets]
+        else:
+            grads = [g for _, _, gs in work for g in gs]
+        total = clip.grad_norm(grads)
+        if grad_mul is not None:
+            total = total * grad_mul.to(total.device)
+        self.last_grad_norm = total
+        factor = clip.clip_factor(total, self.max_grad_norm)
+        return factor if grad_mul is None else factor * grad_mul.to(factor.device)
 
     def _resolve_skips(self) -> None:
         """Steps the kernels skipped (found_inf) were counted optimistically; take them back now, reading
@@ -189,13 +217,12 @@ class FastOptimizer(torch.optim.Optimizer):
         bucket = Bucket(params, grads, states, self._bucket_caches.setdefault(key, {}))
         run = levels.level(self.impl, bucket.device)
         extra = {} if amp.found_inf is None else {"found_inf": amp.found_inf}
-        run(self.rule, bucket, group, step, self.rule.scalars(group, step), self.rule.flags(group), amp.grad_scale,
+        run(self.rule, bucket, group, step, self.rule.scalars(group, step), self.rule.flags(group), amp.grad_mul,
             **extra)
 
     def _step_flat(self, index: int, group: dict, amp: "_Amp") -> None:
         rule = self.rule
         for b, bucket in enumerate(self._flat_buckets[index]):
-            bucket.repair_grads()
             self._sync_flat_state(bucket, group)
             if bucket.step is None:  # params at different step counts (a loaded checkpoint): per param
                 self._step_group(index, group, bucket.params, [p.grad for p in bucket.params], amp)

@@ -1,8 +1,9 @@
 """How a rule runs: the levels, and the bucket of tensors they run over.
 
-Every level is ``run(rule, bucket, group, step, scalars, flags, grad_scale)``: one step of ``rule`` over
-one bucket (params of one device and dtype, at one step count). ``grad_scale`` (from torch.amp's
-GradScaler) is unscaled inside the fused kernels; the other levels unscale into temporaries first.
+Every level is ``run(rule, bucket, group, step, scalars, flags, grad_mul)``: one step of ``rule`` over
+one bucket (params of one device and dtype, at one step count). ``grad_mul`` is a 0-d tensor the grads
+are multiplied by before the update (GradScaler's 1/scale times the clip factor of ``max_grad_norm``):
+the fused and compiled levels apply it inside their kernels, loop and foreach into temporaries.
 """
 
 from __future__ import annotations
@@ -35,12 +36,11 @@ def check_impl(impl: str) -> str:
     return impl
 
 
-def unscaled(grads: list[Tensor], grad_scale: Tensor | None) -> list[Tensor]:
-    """Grads divided by the AMP scale as GradScaler.unscale_ does (times the fp32 reciprocal), as new tensors."""
-    if grad_scale is None:
+def scaled_grads(grads: list[Tensor], grad_mul: Tensor | None) -> list[Tensor]:
+    """Grads times ``grad_mul``, as new tensors (the user's ``.grad`` stays as it is)."""
+    if grad_mul is None:
         return grads
-    inv_scale = grad_scale.double().reciprocal().float()
-    return torch._foreach_mul(grads, inv_scale)
+    return torch._foreach_mul(grads, grad_mul)
 
 
 def pack_scalars(scalars: tuple, device: torch.device) -> Tensor:
@@ -65,4 +65,4 @@ def level(impl: str, device: torch.device) -> Callable:
             "loop": loop.run}[impl]
 
 
-__all__ = ["IMPLS", "LEVELS", "Bucket", "check_impl", "level", "pack_scalars", "skips_in_kernel", "unscaled", "Sequence"]
+__all__ = ["IMPLS", "LEVELS", "Bucket", "check_impl", "level", "pack_scalars", "scaled_grads", "skips_in_kernel", "Sequence"]

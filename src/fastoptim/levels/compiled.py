@@ -16,12 +16,16 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from . import Bucket, loop, pack_scalars, unscaled
+from . import Bucket, loop, pack_scalars, scaled_grads
 
 
-def _in_place(update: Callable, flags: tuple) -> Callable:
+def _in_place(update: Callable, flags: tuple, has_grad_mul: bool) -> Callable:
     def step(p: Tensor, g: Tensor, states: list, scalars: Tensor) -> None:
-        out = update(p, g, *states, *scalars.unbind(0), *flags)
+        values = scalars.unbind(0)
+        if has_grad_mul:  # the grad multiplier rides last in ``scalars``
+            g = g * values[-1]
+            values = values[:-1]
+        out = update(p, g, *states, *values, *flags)
         p.copy_(out[0])
         for s, new in zip(states, out[1:]):
             if s is not None:
@@ -32,16 +36,16 @@ def _in_place(update: Callable, flags: tuple) -> Callable:
 
 
 @lru_cache(maxsize=None)
-def compiled_step(update: Callable, flags: tuple, dtype: torch.dtype) -> Callable:
+def compiled_step(update: Callable, flags: tuple, dtype: torch.dtype, has_grad_mul: bool) -> Callable:
     """One compiled function per rule, FLAGS and dtype: its only variants are the size-1 specialisation
     and the dynamic size, well inside torch.compile's recompile limit."""
-    return torch.compile(_in_place(update, flags), dynamic=True, fullgraph=True)
+    return torch.compile(_in_place(update, flags, has_grad_mul), dynamic=True, fullgraph=True)
 
 
-def run(rule, bucket: Bucket, group: dict, step: int, scalars: tuple, flags: tuple, grad_scale=None) -> None:
-    fn = compiled_step(rule.update, tuple(flags), bucket.params[0].dtype)
-    scalars_t = pack_scalars(scalars, bucket.device)
-    grads = unscaled(bucket.grads, grad_scale)
+def run(rule, bucket: Bucket, group: dict, step: int, scalars: tuple, flags: tuple, grad_mul=None) -> None:
+    fn = compiled_step(rule.update, tuple(flags), bucket.params[0].dtype, grad_mul is not None)
+    scalars_t = pack_scalars(scalars if grad_mul is None else (*scalars, grad_mul), bucket.device)
+    grads = bucket.grads
     strided = []  # non-contiguous tensors: each layout would be a recompile; they run eagerly instead
     for i, (p, g) in enumerate(zip(bucket.params, grads)):
         states = [None if s is None else s[i] for s in bucket.states]
@@ -52,5 +56,6 @@ def run(rule, bucket: Bucket, group: dict, step: int, scalars: tuple, flags: tup
             continue
         fn(p.view(-1), g.view(-1), [None if s is None else s.view(-1) for s in states], scalars_t)
     if strided:
-        loop.apply(rule.update, [bucket.params[i] for i in strided], [grads[i] for i in strided],
+        grads = scaled_grads([grads[i] for i in strided], grad_mul)
+        loop.apply(rule.update, [bucket.params[i] for i in strided], grads,
                    [None if s is None else [s[i] for i in strided] for s in bucket.states], scalars, flags)

@@ -12,7 +12,7 @@ from typing import Callable, Sequence
 import torch
 from torch import Tensor
 
-from . import Bucket, unscaled
+from . import Bucket, scaled_grads
 from .blocking import blocks
 
 
@@ -73,5 +73,5 @@ def apply(update: Callable, params: list[Tensor], grads: list[Tensor], states: S
                 torch._foreach_copy_(s, new.tensors)
 
 
-def run(rule, bucket: Bucket, group: dict, step: int, scalars: tuple, flags: tuple, grad_scale=None) -> None:
-    apply(rule.update, bucket.params, unscaled(bucket.grads, grad_scale), bucket.states, scalars, flags)
+def run(rule, bucket: Bucket, group: dict, step: int, scalars: tuple, flags: tuple, grad_mul=None) -> None:
+    apply(rule.update, bucket.params, scaled_grads(bucket.grads, grad_mul), bucket.states, scalars, flags)

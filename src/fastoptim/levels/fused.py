@@ -31,12 +31,12 @@ def _use_triton(bucket: Bucket) -> bool:
 
 
 
-def run(rule, bucket: Bucket, group: dict, step: int, scalars: tuple, flags: tuple, grad_scale=None,
+def run(rule, bucket: Bucket, group: dict, step: int, scalars: tuple, flags: tuple, grad_mul=None,
         found_inf=None) -> None:
     """``found_inf`` comes only where ``skips_in_kernel`` holds: the kernel leaves everything as it was
     when it is set."""
     if _use_triton(bucket):
-        return _run_triton(rule, bucket, group, step, scalars, flags, grad_scale, found_inf)
+        return _run_triton(rule, bucket, group, step, scalars, flags, grad_mul, found_inf)
     if found_inf is not None:  # a CPU bucket beside GPU ones: read the flag here, where it costs a copy
         if found_inf.item() != 0:
             return
@@ -44,36 +44,38 @@ def run(rule, bucket: Bucket, group: dict, step: int, scalars: tuple, flags: tup
         # torch's kernels walk p, g and states as one linear layout: strided tensors go the foreach way
         strided = [i for i, (p, g) in enumerate(zip(bucket.params, bucket.grads))
                    if not (p.is_contiguous() and g.is_contiguous())]
-        dense = bucket if not strided else _subset(bucket, [i for i in range(len(bucket.params))
-                                                             if i not in set(strided)])
+        skip = set(strided)
+        dense = bucket if not strided else _subset(bucket, [i for i in range(len(bucket.params)) if i not in skip])
         if dense.params:
-            rule.torch_fused(dense.params, dense.grads, dense.states, group, step, grad_scale=grad_scale)
+            # torch's kernels divide by a grad scale: hand them the reciprocal of our multiplier
+            rule.torch_fused(dense.params, dense.grads, dense.states, group, step,
+                             grad_scale=None if grad_mul is None else grad_mul.reciprocal())
         if strided:
-            foreach.run(rule, _subset(bucket, strided), group, step, scalars, flags, grad_scale)
+            foreach.run(rule, _subset(bucket, strided), group, step, scalars, flags, grad_mul)
         return
     mean_numel = sum(p.numel() for p in bucket.params) / len(bucket.params)
     if mean_numel >= COMPILED_MIN_MEAN_NUMEL and rule.update not in _not_compilable:
         try:
-            return compiled.run(rule, bucket, group, step, scalars, flags, grad_scale)
+            return compiled.run(rule, bucket, group, step, scalars, flags, grad_mul)
         except Exception as e:  # no C++ compiler, or Inductor unavailable: the blocked foreach level is exact
             _not_compilable.add(rule.update)
             warnings.warn(f"fastoptim: compiling {rule.name} for the CPU failed ({type(e).__name__}: {e}); "
                           "impl='fused' uses the foreach level for it instead", RuntimeWarning, stacklevel=3)
-    return foreach.run(rule, bucket, group, step, scalars, flags, grad_scale)
+    return foreach.run(rule, bucket, group, step, scalars, flags, grad_mul)
 
 
-def _run_triton(rule, bucket: Bucket, group, step, scalars, flags, grad_scale, found_inf) -> None:
+def _run_triton(rule, bucket: Bucket, group, step, scalars, flags, grad_mul, found_inf) -> None:
     from . import triton_kernels
 
     table = bucket.cache.get("triton_table")
     if table is None:
         table = bucket.cache["triton_table"] = triton_kernels.TensorTable()
     fallback = triton_kernels.run(rule.update, rule.state_names, bucket.params, bucket.grads, bucket.states,
-                                  scalars, flags, table, grad_scale=grad_scale, found_inf=found_inf)
+                                  scalars, flags, table, grad_mul=grad_mul, found_inf=found_inf)
     if fallback:
         if found_inf is not None and found_inf.item() != 0:  # the safe path cannot skip by itself
             return
-        foreach.run(rule, _subset(bucket, fallback), group, step, scalars, flags, grad_scale)
+        foreach.run(rule, _subset(bucket, fallback), group, step, scalars, flags, grad_mul)
 
 
 def _subset(bucket: Bucket, indices: list[int]) -> Bucket:

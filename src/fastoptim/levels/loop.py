@@ -6,7 +6,7 @@ from typing import Callable, Sequence
 
 from torch import Tensor
 
-from . import Bucket, unscaled
+from . import Bucket, scaled_grads
 from .blocking import BLOCK_NUMEL, _pieces
 
 
@@ -24,5 +24,5 @@ def apply(update: Callable, params: list[Tensor], grads: list[Tensor], states: S
                     s.copy_(new)
 
 
-def run(rule, bucket: Bucket, group: dict, step: int, scalars: tuple, flags: tuple, grad_scale=None) -> None:
-    apply(rule.update, bucket.params, unscaled(bucket.grads, grad_scale), bucket.states, scalars, flags)
+def run(rule, bucket: Bucket, group: dict, step: int, scalars: tuple, flags: tuple, grad_mul=None) -> None:
+    apply(rule.update, bucket.params, scaled_grads(bucket.grads, grad_mul), bucket.states, scalars, flags)

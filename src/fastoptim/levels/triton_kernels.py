@@ -9,7 +9,8 @@ for the rule's arity:
 * one program per chunk of ``CHUNK`` elements, so one huge tensor and thousands of tiny ones both fill
   the GPU; each program walks its chunk in unmasked ``BLOCK``-sized steps, then one masked tail:
   with the 16-byte alignment hints that split is what gives 128-bit vector loads and stores;
-* AMP: ``grad_scale`` and ``found_inf`` are read inside the kernel (unscale; skip when inf), so
+* AMP and clipping: ``grad_mul`` (1/scale times the clip factor) and ``found_inf`` are read inside the
+  kernel (scale the grads; skip when inf), so
   ``torch.amp.GradScaler`` needs no host sync; hyper-parameters held as device tensors (an lr a
   schedule writes in place) are read from memory the same way.
 The arithmetic runs in fp32 whatever the storage dtype.
@@ -85,9 +86,9 @@ def triton_twin(update: Callable, interpret: bool = False):
 # --- the multi-tensor kernel, generated for a rule's arity ---------------------------------------------
 
 _TEMPLATE = '''
-def {name}(table, chunks, grad_scale, found_inf, scalars, {scalar_args}
+def {name}(table, chunks, grad_mul, found_inf, scalars, {scalar_args}
            P_DTYPE: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
-           HAS_SCALE: tl.constexpr, HAS_INF: tl.constexpr, SCALARS_IN_MEMORY: tl.constexpr, {flag_args}):
+           HAS_GRAD_MUL: tl.constexpr, HAS_INF: tl.constexpr, SCALARS_IN_MEMORY: tl.constexpr, {flag_args}):
     if SCALARS_IN_MEMORY:  # tensor-valued hyper-parameters: read on the device, never synced to the host
 {scalar_loads}
     if HAS_INF:
@@ -101,9 +102,9 @@ def {name}(table, chunks, grad_scale, found_inf, scalars, {scalar_args}
     p_ptr = tl.multiple_of(tl.load(row + 1).to(tl.pointer_type(P_DTYPE)), 16)
     g_ptr = tl.multiple_of(tl.load(row + 2).to(tl.pointer_type(P_DTYPE)), 16)
 {state_ptrs}
-    inv_scale = 1.0
-    if HAS_SCALE:
-        inv_scale = 1.0 / tl.load(grad_scale)
+    g_mul = 1.0
+    if HAS_GRAD_MUL:
+        g_mul = tl.load(grad_mul)
     n_full = (end - start) // BLOCK
     for i in range(n_full):
         offs = tl.max_contiguous(tl.multiple_of(start + i * BLOCK + tl.arange(0, BLOCK), BLOCK), BLOCK)
@@ -119,8 +120,8 @@ def _body(state_names: Sequence[str], active: Sequence[bool], n_scalars: int, n_
     m = ", mask=mask" if masked else ""
     lines = [f"p = tl.load(p_ptr + offs{m}).to(tl.float32)",
              f"g = tl.load(g_ptr + offs{m}).to(tl.float32)",
-             "if HAS_SCALE:",
-             "    g = g * inv_scale"]
+             "if HAS_GRAD_MUL:",
+             "    g = g * g_mul"]
     args = []
     for i, on in enumerate(active):
         if on:
@@ -207,7 +208,7 @@ def kernel_ready(t: Tensor) -> bool:
 
 def run(update: Callable, state_names: tuple[str, ...], params: list[Tensor], grads: list[Tensor],
         states: Sequence[list[Tensor] | None], scalars: tuple, flags: tuple, table: TensorTable,
-        grad_scale: Tensor | None = None, found_inf: Tensor | None = None) -> list[int]:
+        grad_mul: Tensor | None = None, found_inf: Tensor | None = None) -> list[int]:
     """One launch for the whole bucket; returns the indices of the tensors it left to a safe path."""
     active = tuple(s is not None for s in states)
     kernel = kernel_for(update, state_names, active, len(scalars), len(flags), interpreting())
@@ -218,11 +219,11 @@ def run(update: Callable, state_names: tuple[str, ...], params: list[Tensor], gr
         in_memory = any(isinstance(c, Tensor) for c in scalars)
         packed = pack_scalars(scalars, params[0].device) if in_memory else dummy
         kernel[(table.n_chunks,)](
-            table.table, table.chunks, grad_scale if grad_scale is not None else dummy,
+            table.table, table.chunks, grad_mul if grad_mul is not None else dummy,
             found_inf if found_inf is not None else dummy, packed,
             *[0.0 if in_memory else float(c) for c in scalars],
             P_DTYPE=TORCH_TO_TL[params[0].dtype], CHUNK=CHUNK, BLOCK=BLOCK,
-            HAS_SCALE=grad_scale is not None, HAS_INF=found_inf is not None, SCALARS_IN_MEMORY=in_memory,
+            HAS_GRAD_MUL=grad_mul is not None, HAS_INF=found_inf is not None, SCALARS_IN_MEMORY=in_memory,
             **{f"F{i}": bool(f) for i, f in enumerate(flags)}, num_warps=NUM_WARPS, enable_fp_fusion=False)
     return table.fallback
 
@@ -238,10 +239,10 @@ def compile_for_gpu(rule, group: dict, dtype: torch.dtype = torch.float32, capab
     flags = rule.flags(group)
     n_scalars = len(rule.scalars(group, 1))
     kernel = kernel_for(rule.update, tuple(rule.state_names), active, n_scalars, len(flags), False)
-    signature = {"table": "*i64", "chunks": "*i64", "grad_scale": "*fp32", "found_inf": "*fp32",
+    signature = {"table": "*i64", "chunks": "*i64", "grad_mul": "*fp32", "found_inf": "*fp32",
                  "scalars": "*fp32"}
     signature.update({f"c{i}": "fp32" for i in range(n_scalars)})
-    constants = dict(P_DTYPE=TORCH_TO_TL[dtype], CHUNK=CHUNK, BLOCK=BLOCK, HAS_SCALE=False, HAS_INF=False,
+    constants = dict(P_DTYPE=TORCH_TO_TL[dtype], CHUNK=CHUNK, BLOCK=BLOCK, HAS_GRAD_MUL=False, HAS_INF=False,
                      SCALARS_IN_MEMORY=False,
                      **{f"F{i}": bool(f) for i, f in enumerate(flags)})
     signature.update({name: "constexpr" for name in constants})

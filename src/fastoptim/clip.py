@@ -1,0 +1,56 @@
+"""Global-norm gradient clipping: ``clip_grad_norm_`` (torch.nn.utils.clip_grad_norm_'s semantics) and the
+norm the optimizers' ``max_grad_norm=`` folds into their step.
+
+The norm is one multi-tensor reduction per (device, dtype) (``torch._foreach_norm``), combined on the first
+device; nothing is read back to the host (unless ``error_if_nonfinite`` asks, as torch's does).
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+from torch import Tensor
+
+
+def grad_norm(grads: list[Tensor], norm_type: float = 2.0) -> Tensor:
+    """The ``norm_type``-norm of all ``grads`` taken together, as a 0-d tensor on the first grad's device."""
+    norm_type = float(norm_type)
+    grads_with_elements = [g for g in grads if g.numel()]  # an empty tensor adds nothing (and has no inf-norm)
+    if not grads_with_elements:
+        return torch.tensor(0.0, device=grads[0].device if grads else None)
+    by_key: dict[tuple, list[Tensor]] = {}
+    for g in grads_with_elements:
+        by_key.setdefault((g.device, g.dtype), []).append(g)
+    first = grads[0].device
+    norms = [n.to(first) for gs in by_key.values() for n in torch._foreach_norm(gs, norm_type)]
+    return torch.linalg.vector_norm(torch.stack(norms), norm_type)
+
+
+def clip_factor(total_norm: Tensor, max_norm: float) -> Tensor:
+    """What the grads are multiplied by: ``max_norm / (norm + 1e-6)``, at most 1 (torch's formula)."""
+    return torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+
+
+def clip_grad_norm_(parameters: Tensor | Iterable[Tensor], max_norm: float, norm_type: float = 2.0,
+                    error_if_nonfinite: bool = False) -> Tensor:
+    """Scale the grads of ``parameters`` in place so their global norm is at most ``max_norm``; return the
+    norm before clipping (a tensor: no host sync)."""
+    if isinstance(parameters, Tensor):
+        parameters = [parameters]
+    grads = [p.grad for p in parameters if p.grad is not None]
+    max_norm = float(max_norm)
+    total = grad_norm(grads, norm_type)
+    if error_if_nonfinite and not torch.isfinite(total):
+        raise RuntimeError(f"The total norm of order {float(norm_type)} for gradients from `parameters` is "
+                           "non-finite, so it cannot be clipped. To disable this error and scale the gradients "
+                           "by the non-finite norm anyway, set `error_if_nonfinite=False`")
+    if not grads:
+        return total
+    factor = clip_factor(total, max_norm)
+    by_key: dict[tuple, list[Tensor]] = {}
+    for g in grads:
+        by_key.setdefault((g.device, g.dtype), []).append(g)
+    for (device, _), gs in by_key.items():
+        torch._foreach_mul_(gs, factor.to(device))
+    return total

@@ -1,0 +1,95 @@
+"""clip_grad_norm_ against torch's, and clipping fused into the step at every level."""
+
+import pytest
+import torch
+
+import fastoptim
+from conftest import clone_params, make_params, set_grads
+from fastoptim.levels import LEVELS
+from fastoptim.registry import OPTIMIZERS
+from reference import reference_class, reference_kwargs
+
+
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, 3.0, float("inf")])
+@pytest.mark.parametrize("max_norm", [0.5, 1e6])
+def test_clip_grad_norm_matches_torch(norm_type, max_norm):
+    ours = make_params()
+    if norm_type == float("inf"):  # torch's own clip_grad_norm_ fails on empty grads here; ours skips them
+        ours = [p for p in ours if p.numel()]
+    ours.append(torch.nn.Parameter(torch.randn(5, dtype=torch.float64)))  # a second dtype
+    ref = clone_params(ours)
+    set_grads(1, [ours, ref], none_every=10 ** 9)
+    total = fastoptim.clip_grad_norm_(ours, max_norm, norm_type)
+    expected = torch.nn.utils.clip_grad_norm_(ref, max_norm, norm_type)
+    torch.testing.assert_close(total, expected, rtol=1e-6, atol=0)
+    for a, b in zip(ours, ref):
+        if a.grad is not None:
+            torch.testing.assert_close(a.grad, b.grad, rtol=1e-6, atol=1e-7)
+
+
+def test_clip_grad_norm_edge_cases():
+    assert fastoptim.clip_grad_norm_([], 1.0).item() == 0.0
+    empty = torch.nn.Parameter(torch.ones(0))
+    empty.grad = torch.ones(0)
+    assert fastoptim.clip_grad_norm_([empty], 1.0, norm_type=float("inf")).item() == 0.0
+    p = torch.nn.Parameter(torch.ones(3))
+    p.grad = torch.tensor([1.0, float("nan"), 2.0])
+    with pytest.raises(RuntimeError, match="non-finite"):
+        fastoptim.clip_grad_norm_(p, 1.0, error_if_nonfinite=True)
+    q = torch.nn.Parameter(torch.ones(2))
+    q.grad = torch.tensor([3.0, 4.0])
+    assert fastoptim.clip_grad_norm_(q, 1.0).item() == pytest.approx(5.0)  # a single tensor works too
+    torch.testing.assert_close(q.grad, torch.tensor([0.6, 0.8]), rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("flat", [False, True])
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_max_grad_norm_in_step_matches_clip_then_step(name, level, flat):
+    spec = OPTIMIZERS[name]
+    opts = spec.option_sets[1]
+    ours_p = make_params()
+    ref_p = clone_params(ours_p)
+    ours = spec.cls(ours_p, impl=level, flat=flat, max_grad_norm=0.7, **opts)
+    ref = reference_class(spec)(ref_p, **opts, **reference_kwargs(spec))
+    clipped = 0
+    for step in range(1, 6):
+        set_grads(step, [ours_p, ref_p], none_every=10 ** 9)
+        norm = torch.nn.utils.clip_grad_norm_(ref_p, 0.7)
+        clipped += norm.item() > 0.7
+        ours.step()
+        ref.step()
+        torch.testing.assert_close(ours.last_grad_norm, norm, rtol=1e-6, atol=0)
+        for a, b in zip(ours_p, ref_p):
+            torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+    assert clipped  # the clip really bit
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_max_grad_norm_with_grad_scaler_uses_unscaled_norm(level):
+    torch.manual_seed(0)
+    ours_p = [torch.nn.Parameter(torch.randn(4, 3)), torch.nn.Parameter(torch.randn(3))]
+    ref_p = clone_params(ours_p)
+    x = torch.randn(6, 4)
+    ours = fastoptim.AdamW(ours_p, impl=level, max_grad_norm=0.5, lr=1e-2)
+    ref = torch.optim.AdamW(ref_p, lr=1e-2, foreach=False)
+    s_ours = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    s_ref = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    for _ in range(4):
+        for params, opt, scaler in ((ours_p, ours, s_ours), (ref_p, ref, s_ref)):
+            opt.zero_grad()
+            scaler.scale((x @ params[0] + params[1]).pow(2).sum()).backward()
+            if opt is ref:
+                scaler.unscale_(ref)
+                norm = torch.nn.utils.clip_grad_norm_(ref_p, 0.5)
+            scaler.step(opt)
+            scaler.update()
+        torch.testing.assert_close(ours.last_grad_norm, norm, rtol=1e-5, atol=0)
+        for a, b in zip(ours_p, ref_p):
+            torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, "1", True])
+def test_bad_max_grad_norm_is_refused(bad):
+    with pytest.raises(ValueError, match="max_grad_norm"):
+        fastoptim.SGD(make_params(), max_grad_norm=bad)
