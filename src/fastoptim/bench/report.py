@@ -27,7 +27,7 @@ def bytes_per_param(optimizer: str, param_bytes: int = 4, state_bytes: int = 4) 
 
 def ratios(rows: list[Row]) -> tuple[float, float]:
     floor = next((r.median_ms for r in rows if r.label == "flat floor"), math.nan)
-    fused = next((r.median_ms for r in rows if r.label == "torch fused"), math.nan)
+    fused = next((r.median_ms for r in rows if r.label.startswith("torch fused")), math.nan)
     return floor, fused
 
 
@@ -53,10 +53,10 @@ def environment() -> dict[str, Any]:
             "threads": torch.get_num_threads()}
 
 
-def write_json(path: str, results: list[dict], config: dict) -> None:
+def write_json(path: str, results: list[dict], config: dict, schedulers: list[dict] | None = None) -> None:
     with open(path, "w") as f:
         json.dump({"schema_version": SCHEMA_VERSION, "environment": environment(), "config": config,
-                   "results": results}, f, indent=2)
+                   "results": results, "schedulers": schedulers or []}, f, indent=2)
 
 
 def _fmt(x: float | None, spec: str) -> str:
@@ -78,34 +78,50 @@ def title(result: dict) -> str:
             f"{result['tensors']} tensors; GPU estimate at {result['bytes_per_param']} B/param: {est}")
 
 
-def print_tables(results: list[dict]) -> None:
+SCHEDULER_HEADERS = ["scheduler", "us/step", "spread"]
+
+
+def scheduler_rows(schedulers: list[dict]) -> list[list[str]]:
+    return [[s["label"], f"{s['us_per_step']:.2f}", f"{s['min_us']:.2f}-{s['max_us']:.2f}"] for s in schedulers]
+
+
+def print_tables(results: list[dict], schedulers: list[dict] | None = None) -> None:
+    tables = [(title(r), HEADERS, table_rows(r)) for r in results]
+    if schedulers:
+        tables.append(("scheduler step overhead (AdamW, 2 param groups)", SCHEDULER_HEADERS,
+                       scheduler_rows(schedulers)))
     try:
         from rich.console import Console
         from rich.table import Table
     except ImportError:
-        for result in results:
-            print(title(result))
-            print("  ".join(HEADERS))
-            for row in table_rows(result):
+        for name, headers, rows in tables:
+            print(name)
+            print("  ".join(headers))
+            for row in rows:
                 print("  ".join(row))
             print()
         return
     console = Console()
-    console.width = max(console.width, 118)  # the table's natural width, also when piped
-    for result in results:
-        table = Table(title=title(result))
-        for i, h in enumerate(HEADERS):
+    console.width = max(console.width, 132)  # the tables' natural width, also when piped
+    for name, headers, rows in tables:
+        table = Table(title=name)
+        for i, h in enumerate(headers):
             table.add_column(h, justify="left" if i == 0 else "right")
-        for row in table_rows(result):
+        for row in rows:
             table.add_row(*row)
         console.print(table)
 
 
-def markdown(results: list[dict]) -> str:
+def markdown(results: list[dict], schedulers: list[dict] | None = None) -> str:
     out = []
     for result in results:
         out += [f"**{title(result)}**", "", "| " + " | ".join(HEADERS) + " |",
                 "|" + "---|" * len(HEADERS)]
         out += ["| " + " | ".join(row) + " |" for row in table_rows(result)]
+        out.append("")
+    if schedulers:
+        out += ["**scheduler step overhead (AdamW, 2 param groups)**", "",
+                "| " + " | ".join(SCHEDULER_HEADERS) + " |", "|---|---|---|"]
+        out += ["| " + " | ".join(row) + " |" for row in scheduler_rows(schedulers)]
         out.append("")
     return "\n".join(out)

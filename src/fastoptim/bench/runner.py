@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import statistics
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -36,19 +37,48 @@ class Row:
         return (min(self.times_ms), max(self.times_ms)) if self.times_ms else (float("nan"),) * 2
 
 
-def rows_for(optimizer: str, impls: list[str], flat_impls: list[str] = (), peers: bool = True) -> list[Row]:
+class ClipThenStep:
+    """The unfused baseline: a clip_grad_norm_ pass over the grads, then the optimizer's step."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, max_norm: float, clip: Callable):
+        self.optimizer, self.max_norm, self.clip = optimizer, max_norm, clip
+        self.params = [p for g in optimizer.param_groups for p in g["params"]]
+        self.state = optimizer.state
+
+    def step(self) -> None:
+        self.clip(self.params, self.max_norm)
+        self.optimizer.step()
+
+
+def rows_for(optimizer: str, impls: list[str], flat_impls: list[str] = (), peers: bool = True,
+             clip: float | None = None) -> list[Row]:
+    """The rows of one optimizer. With ``clip``, fastoptim rows clip inside the step (``max_grad_norm``),
+    torch rows run ``torch.nn.utils.clip_grad_norm_`` first, and one more row shows fastoptim's fused level
+    with the separate clip pass, to read off what fusing saves."""
     spec = registry.get(optimizer)
     kwargs = dict(spec.option_sets[0])
-    rows = [Row(f"fastoptim {impl}", "fastoptim", impl, lambda ps, impl=impl: spec.cls(ps, impl=impl, **kwargs))
+    ours = dict(kwargs, max_grad_norm=clip) if clip else kwargs
+    tag = " (clip in step)" if clip else ""
+    rows = [Row(f"fastoptim {impl}{tag}", "fastoptim", impl, lambda ps, impl=impl: spec.cls(ps, impl=impl, **ours))
             for impl in impls]
-    rows += [Row(f"fastoptim {impl} flat", "fastoptim", f"{impl}+flat",
-                 lambda ps, impl=impl: spec.cls(ps, impl=impl, flat=True, **kwargs)) for impl in flat_impls]
-    if peers and spec.reference is not None:
+    rows += [Row(f"fastoptim {impl} flat{tag}", "fastoptim", f"{impl}+flat",
+                 lambda ps, impl=impl: spec.cls(ps, impl=impl, flat=True, **ours)) for impl in flat_impls]
+    if clip:
+        from ..clip import clip_grad_norm_
+        rows.append(Row("fastoptim fused + clip_grad_norm_", "fastoptim", "fused",
+                        lambda ps: ClipThenStep(spec.cls(ps, impl="fused", **kwargs), clip, clip_grad_norm_)))
+
+    def torch_row(label, **flags):
         torch_cls = getattr(torch.optim, spec.reference)
-        rows += [Row("torch loop", "torch", "loop", lambda ps: torch_cls(ps, foreach=False, **kwargs)),
-                 Row("torch foreach", "torch", "foreach", lambda ps: torch_cls(ps, foreach=True, **kwargs))]
+        if clip:
+            return Row(f"{label} + clip_grad_norm_", "torch", label.split()[-1], lambda ps: ClipThenStep(
+                torch_cls(ps, **flags, **kwargs), clip, torch.nn.utils.clip_grad_norm_))
+        return Row(label, "torch", label.split()[-1], lambda ps: torch_cls(ps, **flags, **kwargs))
+
+    if peers and spec.reference is not None:
+        rows += [torch_row("torch loop", foreach=False), torch_row("torch foreach", foreach=True)]
         if spec.name in TORCH_FUSED:
-            rows.append(Row("torch fused", "torch", "fused", lambda ps: torch_cls(ps, fused=True, **kwargs)))
+            rows.append(torch_row("torch fused", fused=True))
     rows.append(floor_row(spec, kwargs))
     return rows
 
@@ -99,3 +129,39 @@ def run_workload(shapes, rows: list[Row], rounds: int, steps_per_round: int, war
                 opt.step()
             row.times_ms.append((time.perf_counter() - t0) * 1e3 / steps_per_round)
             progress()
+
+
+def time_schedulers(steps: int = 400, rounds: int = 7, groups: int = 2) -> list[dict]:
+    """Microseconds per scheduler step, fastoptim's Scheduler against torch's, on an AdamW with ``groups``
+    param groups; interleaved rounds, medians."""
+    from .. import optimizers, schedules
+
+    def fresh(cls):
+        return cls([{"params": [torch.nn.Parameter(torch.zeros(4))]} for _ in range(groups)], lr=1e-3)
+
+    total = steps * rounds + 10
+    S = torch.optim.lr_scheduler
+    makers = {
+        "torch CosineAnnealingLR": lambda: S.CosineAnnealingLR(fresh(torch.optim.AdamW), T_max=total),
+        "fastoptim cosine": lambda: schedules.Scheduler(fresh(optimizers.AdamW), schedules.cosine(total)),
+        "fastoptim cosine, tensor lr": lambda: schedules.Scheduler(fresh(optimizers.AdamW), schedules.cosine(total),
+                                                                   tensor_lr=True),
+        "torch OneCycleLR": lambda: S.OneCycleLR(fresh(torch.optim.AdamW), max_lr=1e-3, total_steps=total),
+        "fastoptim OneCycle": lambda: schedules.Scheduler(fresh(optimizers.AdamW), schedules.OneCycle(total)),
+        "fastoptim OneCycle, tensor lr": lambda: schedules.Scheduler(fresh(optimizers.AdamW),
+                                                                     schedules.OneCycle(total), tensor_lr=True),
+    }
+    with warnings.catch_warnings():  # torch warns that its scheduler steps before any optimizer step
+        warnings.simplefilter("ignore")
+        live = {label: make() for label, make in makers.items()}
+    times: dict[str, list[float]] = {label: [] for label in live}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(rounds):
+            for label, sched in live.items():
+                t0 = time.perf_counter()
+                for _ in range(steps):
+                    sched.step()
+                times[label].append((time.perf_counter() - t0) * 1e6 / steps)
+    return [{"label": label, "us_per_step": statistics.median(ts), "min_us": min(ts), "max_us": max(ts)}
+            for label, ts in times.items()]

@@ -22,7 +22,11 @@ def add_parser(sub) -> None:
                    help="fastoptim levels to time (default: all)")
     p.add_argument("--flat", nargs="*", choices=list(LEVELS), default=["fused", "compiled"],
                    help="levels to time again with flat=True buffers (default: fused compiled)")
-    p.add_argument("--params", type=bench.parse_count, default="25M",
+    p.add_argument("--clip", type=float, default=None, metavar="MAX_NORM",
+                   help="clip the global grad norm: fastoptim in the step (max_grad_norm), torch with "
+                        "clip_grad_norm_ first; adds a fastoptim row with the separate clip pass")
+    p.add_argument("--no-schedulers", action="store_true", help="skip the scheduler-overhead table")
+    p.add_argument("--params", type=_count, default=25_000_000,
                    help="size of the gpt and flat workloads, e.g. 25M, 1.5B (default: 25M)")
     p.add_argument("--rounds", type=int, default=7, help="interleaved timing rounds (default: 7)")
     p.add_argument("--steps", type=int, default=3, help="steps per round (default: 3)")
@@ -35,9 +39,19 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run)
 
 
+def _count(text: str) -> int:
+    try:
+        return bench.parse_count(text)
+    except ValueError as e:  # argparse shows an ArgumentTypeError's own words
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def run(args: argparse.Namespace) -> int:
     if args.rounds < 1 or args.steps < 1 or args.warmup < 0:
         print("fastoptim bench: --rounds and --steps must be >= 1, --warmup >= 0", file=sys.stderr)
+        return 2
+    if args.clip is not None and not args.clip > 0:
+        print(f"fastoptim bench: --clip must be > 0, got {args.clip}", file=sys.stderr)
         return 2
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -50,20 +64,21 @@ def run(args: argparse.Namespace) -> int:
         if args.quick and workload == "mlp2000":
             shapes = shapes[:400]  # 200 layers
         for optimizer in args.optimizer:
-            jobs.append((workload, optimizer, shapes, bench.rows_for(optimizer, args.impl, args.flat, not args.no_peers)))
+            jobs.append((workload, optimizer, shapes, bench.rows_for(optimizer, args.impl, args.flat, not args.no_peers, args.clip)))
     total = sum(len(rows) * (1 + args.rounds) for *_, rows in jobs)
     results = []
     with _progress(total) as advance:
         for workload, optimizer, shapes, rows in jobs:
             bench.run_workload(shapes, rows, args.rounds, args.steps, args.warmup, advance)
             results.append(bench.to_dict(workload, optimizer, bench.numel(shapes), len(shapes), rows))
-    bench.print_tables(results)
+    schedulers = None if args.no_schedulers else bench.time_schedulers(rounds=3 if args.quick else 7)
+    bench.print_tables(results, schedulers)
     config = {k: v for k, v in vars(args).items() if k != "func"}
     if args.json:
-        bench.write_json(args.json, results, config)
+        bench.write_json(args.json, results, config, schedulers)
     if args.markdown:
         with open(args.markdown, "w") as f:
-            f.write(bench.markdown(results))
+            f.write(bench.markdown(results, schedulers))
     return 0
 
 

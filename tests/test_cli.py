@@ -1,0 +1,48 @@
+"""The `fastoptim` command at tiny sizes: every option parses, the JSON has its documented schema."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from fastoptim.cli import main
+
+
+def test_bench_quick_writes_json_and_markdown(tmp_path, capsys):
+    out_json, out_md = tmp_path / "bench.json", tmp_path / "bench.md"
+    rc = main(["bench", "--quick", "-w", "mlp2000", "flat", "--params", "50k", "-o", "adamw", "lion",
+               "--impl", "loop", "fused", "--flat", "fused", "--clip", "1.0", "--threads", "1",
+               "--json", str(out_json), "--markdown", str(out_md)])
+    assert rc == 0
+    data = json.loads(out_json.read_text())
+    assert data["schema_version"] == 1 and set(data) == {"schema_version", "environment", "config", "results",
+                                                         "schedulers"}
+    assert {r["workload"] for r in data["results"]} == {"mlp2000", "flat"}
+    for result in data["results"]:
+        assert set(result) == {"workload", "optimizer", "params", "tensors", "bytes_per_param", "gpu_estimate_ms",
+                               "rows"}
+        labels = [r["label"] for r in result["rows"]]
+        assert "flat floor" in labels and any("clip_grad_norm_" in label for label in labels)
+        for row in result["rows"]:
+            assert row["median_ms"] > 0 and row["samples"] == 3
+            assert row["vs_flat_floor"] is not None
+    assert {s["label"] for s in data["schedulers"]} >= {"torch OneCycleLR", "fastoptim OneCycle"}
+    assert "| row |" in out_md.read_text()
+    assert "flat floor" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["bench", "--workload", "nope"], "invalid choice"),
+    (["bench", "--params", "lots"], "not a parameter count"),
+    (["bench", "--optimizer", "adamax"], "invalid choice"),
+])
+def test_bad_flags_get_a_clear_message(argv, message):
+    proc = subprocess.run([sys.executable, "-m", "fastoptim", *argv], capture_output=True, text=True)
+    assert proc.returncode == 2 and message in proc.stderr
+
+
+def test_bad_numbers_are_refused(capsys):
+    assert main(["bench", "--rounds", "0"]) == 2
+    assert main(["bench", "--clip", "-1"]) == 2
+    assert "--clip" in capsys.readouterr().err
