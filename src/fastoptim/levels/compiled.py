@@ -35,6 +35,12 @@ def _in_place(update: Callable, flags: tuple, has_grad_mul: bool) -> Callable:
     return step
 
 
+def _flat(t: Tensor) -> Tensor:
+    """A 1-D alias that is not a view and does not require grad: torch.compile guards on a view's base
+    layout and on requires_grad, which would otherwise make each param shape its own compile."""
+    return t.view(-1).detach()
+
+
 @lru_cache(maxsize=None)
 def compiled_step(update: Callable, flags: tuple, dtype: torch.dtype, has_grad_mul: bool) -> Callable:
     """One compiled function per rule, FLAGS and dtype: its only variants are the size-1 specialisation
@@ -54,7 +60,7 @@ def run(rule, bucket: Bucket, group: dict, step: int, scalars: tuple, flags: tup
         if not all(t is None or t.is_contiguous() for t in (p, g, *states)):
             strided.append(i)
             continue
-        fn(p.view(-1), g.view(-1), [None if s is None else s.view(-1) for s in states], scalars_t)
+        fn(_flat(p), _flat(g), [None if s is None else _flat(s) for s in states], scalars_t)
     if strided:
         grads = scaled_grads([grads[i] for i in strided], grad_mul)
         loop.apply(rule.update, [bucket.params[i] for i in strided], grads,
