@@ -6,14 +6,15 @@ import sys
 
 import pytest
 
+from fastoptim.bench.peers import installed
 from fastoptim.cli import main
 
 
 def test_bench_quick_writes_json_and_markdown(tmp_path, capsys):
-    out_json, out_md = tmp_path / "bench.json", tmp_path / "bench.md"
+    out_json, out_md, out_png = tmp_path / "bench.json", tmp_path / "bench.md", tmp_path / "bench.png"
     rc = main(["bench", "--quick", "-w", "mlp2000", "flat", "--params", "50k", "-o", "adamw", "lion",
                "--impl", "loop", "fused", "--flat", "fused", "--clip", "1.0", "--threads", "1",
-               "--json", str(out_json), "--markdown", str(out_md)])
+               "--json", str(out_json), "--markdown", str(out_md), "--plot", str(out_png)])
     assert rc == 0
     data = json.loads(out_json.read_text())
     assert data["schema_version"] == 1 and set(data) == {"schema_version", "environment", "config", "results",
@@ -25,15 +26,34 @@ def test_bench_quick_writes_json_and_markdown(tmp_path, capsys):
         labels = [r["label"] for r in result["rows"]]
         assert "flat floor" in labels and any("clip_grad_norm_" in label for label in labels)
         for row in result["rows"]:
-            assert row["median_ms"] > 0 and row["samples"] == 3
+            assert set(row) == {"label", "library", "impl", "flat", "median_ms", "min_ms", "max_ms", "samples",
+                                "first_step_ms", "state_mib", "vs_torch_fused", "vs_flat_floor", "error"}
+            assert row["error"] is None and row["median_ms"] > 0 and row["samples"] == 3
             assert row["vs_flat_floor"] is not None
     assert {s["label"] for s in data["schedulers"]} >= {"torch OneCycleLR", "fastoptim OneCycle"}
     assert "| row |" in out_md.read_text()
+    assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out_png.stat().st_size > 10_000
     assert "flat floor" in capsys.readouterr().out
 
 
+def test_bench_a_users_module_with_installed_peers(tmp_path):
+    out_json = tmp_path / "b.json"
+    assert main(["bench", "--quick", "-w", "tiny_model:make", "--impl", "fused", "--flat",
+                 "--no-schedulers", "--peers", "fp32", "--json", str(out_json)]) == 0
+    result = json.loads(out_json.read_text())["results"][0]
+    from tiny_model import make
+    model = make()
+    assert result["params"] == sum(p.numel() for p in model.parameters())
+    labels = {r["label"] for r in result["rows"]}
+    assert {"fastoptim fused", "torch fused", "flat floor"} <= labels
+    for module, label in (("optimi", "optimi AdamW"), ("bitsandbytes", "bitsandbytes AdamW")):
+        if installed(module):
+            assert label in labels
+
+
 @pytest.mark.parametrize("argv,message", [
-    (["bench", "--workload", "nope"], "invalid choice"),
+    (["bench", "--workload", "nope"], "unknown workload"),
+    (["bench", "--workload", "no.such.module:thing"], "cannot load workload"),
     (["bench", "--params", "lots"], "not a parameter count"),
     (["bench", "--optimizer", "adamax"], "invalid choice"),
 ])

@@ -44,6 +44,7 @@ def to_dict(workload: str, optimizer: str, n_params: int, n_tensors: int, rows: 
             "samples": len(r.times_ms), "first_step_ms": r.first_step_ms, "state_mib": r.state_bytes / 2 ** 20,
             "vs_torch_fused": r.median_ms / fused if fused == fused else None,
             "vs_flat_floor": r.median_ms / floor if floor == floor else None,
+            "error": r.error,
         } for r in rows],
     }
 
@@ -64,7 +65,8 @@ def _fmt(x: float | None, spec: str) -> str:
 
 
 def table_rows(result: dict) -> list[list[str]]:
-    return [[r["label"], _fmt(r["median_ms"], ".2f"), f"{_fmt(r['min_ms'], '.2f')}-{_fmt(r['max_ms'], '.2f')}",
+    return [[r["label"], f"error: {r['error']}", "", "", "", "", ""] if r["error"] else
+            [r["label"], _fmt(r["median_ms"], ".2f"), f"{_fmt(r['min_ms'], '.2f')}-{_fmt(r['max_ms'], '.2f')}",
              _fmt(r["vs_torch_fused"], ".2f"), _fmt(r["vs_flat_floor"], ".2f"), _fmt(r["state_mib"], ".1f"),
              _fmt(r["first_step_ms"], ".1f")] for r in result["rows"]]
 

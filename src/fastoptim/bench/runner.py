@@ -24,6 +24,7 @@ class Row:
     impl: str
     build: Callable[[list[torch.Tensor]], torch.optim.Optimizer]
     flat: bool = False          # runs on one flat tensor of the workload's size
+    error: str | None = None    # what stopped the row (a peer that cannot run here), shown instead of times
     times_ms: list[float] = field(default_factory=list)
     first_step_ms: float = float("nan")
     state_bytes: int = 0
@@ -50,11 +51,18 @@ class ClipThenStep:
         self.optimizer.step()
 
 
-def rows_for(optimizer: str, impls: list[str], flat_impls: list[str] = (), peers: bool = True,
+PEER_MODES = ("none", "torch", "fp32", "all")
+
+
+def rows_for(optimizer: str, impls: list[str], flat_impls: list[str] = (), peers: str = "fp32",
              clip: float | None = None) -> list[Row]:
-    """The rows of one optimizer. With ``clip``, fastoptim rows clip inside the step (``max_grad_norm``),
+    """The rows of one optimizer. ``peers``: "none"; "torch" (torch.optim loop / foreach / fused); "fp32"
+    (also the installed libraries' full-precision optimizers); "all" (also their 8/4-bit ones and
+    torch.compile of torch's step). With ``clip``, fastoptim rows clip inside the step (``max_grad_norm``),
     torch rows run ``torch.nn.utils.clip_grad_norm_`` first, and one more row shows fastoptim's fused level
     with the separate clip pass, to read off what fusing saves."""
+    if peers not in PEER_MODES:
+        raise ValueError(f"peers must be one of {PEER_MODES}, got {peers!r}")
     spec = registry.get(optimizer)
     kwargs = dict(spec.option_sets[0])
     ours = dict(kwargs, max_grad_norm=clip) if clip else kwargs
@@ -75,12 +83,32 @@ def rows_for(optimizer: str, impls: list[str], flat_impls: list[str] = (), peers
                 torch_cls(ps, **flags, **kwargs), clip, torch.nn.utils.clip_grad_norm_))
         return Row(label, "torch", label.split()[-1], lambda ps: torch_cls(ps, **flags, **kwargs))
 
-    if peers and spec.reference is not None:
+    if peers != "none" and spec.reference is not None:
         rows += [torch_row("torch loop", foreach=False), torch_row("torch foreach", foreach=True)]
         if spec.name in TORCH_FUSED:
             rows.append(torch_row("torch fused", fused=True))
+        if peers == "all" and not clip:
+            torch_cls = getattr(torch.optim, spec.reference)
+            rows.append(Row("torch compiled foreach", "torch", "compiled",
+                            lambda ps: CompiledStep(torch_cls(ps, foreach=True, **kwargs))))
+    if peers in ("fp32", "all") and not clip:
+        from .peers import peer_rows
+        for label, library, build in peer_rows(spec.name, kwargs, everything=peers == "all"):
+            rows.append(Row(label, library, "peer", build))
     rows.append(floor_row(spec, kwargs))
     return rows
+
+
+class CompiledStep:
+    """torch.compile of an optimizer's step, the way torch's docs compile one."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer):
+        self.optimizer = optimizer
+        self.state = optimizer.state
+        self._step = torch.compile(optimizer.step, fullgraph=False)
+
+    def step(self) -> None:
+        self._step()
 
 
 # torch fused kernels on one flat tensor that move the same bytes per param as a rule with n states
@@ -101,9 +129,24 @@ def floor_row(spec, kwargs: dict) -> Row:
     return Row("flat floor", "torch", f"fused {what}", lambda ps: cls(ps, fused=True, **floor_kwargs), flat=True)
 
 
-def state_bytes(opt: torch.optim.Optimizer) -> int:
-    return sum(v.numel() * v.element_size() for s in opt.state.values() for v in s.values()
-               if isinstance(v, torch.Tensor) and v.dim() > 0)
+def _tensor_bytes(t: torch.Tensor) -> int:
+    """Bytes a tensor holds; quantized state kept as a tensor subclass counts its inner tensors."""
+    if type(t) is not torch.Tensor and hasattr(t, "__tensor_flatten__"):
+        names, _ = t.__tensor_flatten__()
+        return sum(_tensor_bytes(getattr(t, n)) for n in names)
+    return t.numel() * t.element_size() if t.dim() > 0 else 0
+
+
+def _state_values(state):
+    for v in state.values():
+        if isinstance(v, dict):  # some libraries nest per-param state one level deeper
+            yield from _state_values(v)
+        else:
+            yield v
+
+
+def state_bytes(opt) -> int:
+    return sum(_tensor_bytes(v) for s in opt.state.values() for v in _state_values(s) if isinstance(v, torch.Tensor))
 
 
 def run_workload(shapes, rows: list[Row], rounds: int, steps_per_round: int, warmup: int,
@@ -113,21 +156,34 @@ def run_workload(shapes, rows: list[Row], rounds: int, steps_per_round: int, war
     live = []
     for row in rows:
         params = workloads.make_params([(n,)] if row.flat else shapes)
-        opt = row.build(params)
-        t0 = time.perf_counter()
-        opt.step()
-        row.first_step_ms = (time.perf_counter() - t0) * 1e3
-        for _ in range(warmup):
+        try:
+            opt = row.build(params)
+            grads = [p.grad for p in params]  # after build: flat mode swaps in views of its buffer
+            t0 = time.perf_counter()
             opt.step()
+            row.first_step_ms = (time.perf_counter() - t0) * 1e3
+            for _ in range(warmup):
+                for p, g in zip(params, grads):
+                    p.grad = g
+                opt.step()
+        except Exception as e:  # a peer that cannot run on this machine: say why, time the rest
+            row.error = f"{type(e).__name__}: {e}".splitlines()[0][:120]
+            progress()
+            continue
         row.state_bytes = state_bytes(opt)
-        live.append((row, opt))
+        live.append((row, opt, params, grads))
         progress()
     for _ in range(rounds):
-        for row, opt in live:
-            t0 = time.perf_counter()
+        for row, opt, params, grads in live:
+            elapsed = 0.0
             for _ in range(steps_per_round):
+                if params[0].grad is None:  # a library that consumes the grads: put them back, untimed
+                    for p, g in zip(params, grads):
+                        p.grad = g
+                t0 = time.perf_counter()
                 opt.step()
-            row.times_ms.append((time.perf_counter() - t0) * 1e3 / steps_per_round)
+                elapsed += time.perf_counter() - t0
+            row.times_ms.append(elapsed * 1e3 / steps_per_round)
             progress()
 
 

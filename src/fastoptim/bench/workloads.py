@@ -28,7 +28,38 @@ def gpt_shapes(n_params: int, n_layer: int = 12, vocab: int = 8192) -> list[tupl
     return shapes
 
 
+def module_shapes(spec: str) -> list[tuple[int, ...]]:
+    """The trainable param shapes of ``module:callable`` (a ``torch.nn.Module`` or a callable returning one)."""
+    import importlib
+
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise ValueError(f"a module workload is 'package.module:callable', got {spec!r}")
+    try:
+        target = importlib.import_module(module_name)
+        for part in attr.split("."):
+            target = getattr(target, part)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"cannot load workload {spec!r}: {e}") from None
+    model = target if isinstance(target, torch.nn.Module) else target()
+    if not isinstance(model, torch.nn.Module):
+        raise ValueError(f"workload {spec!r} gave a {type(model).__name__}, not a torch.nn.Module")
+    shapes = [tuple(p.shape) for p in model.parameters() if p.requires_grad]
+    if not shapes:
+        raise ValueError(f"workload {spec!r} has no trainable parameters")
+    return shapes
+
+
+def check_workload(name: str) -> str:
+    """A built-in name or ``module:callable``."""
+    if name in WORKLOADS or ":" in name:
+        return name
+    raise ValueError(f"unknown workload {name!r}; valid: {', '.join(WORKLOADS)}, or package.module:callable")
+
+
 def shapes_for(name: str, n_params: int) -> list[tuple[int, ...]]:
+    if ":" in name:
+        return module_shapes(name)
     if name == "mlp2000":
         return mlp2000_shapes()
     if name == "gpt":

@@ -14,8 +14,9 @@ from ..levels import LEVELS
 def add_parser(sub) -> None:
     p = sub.add_parser("bench", help="time optimizer steps: fastoptim levels vs torch.optim vs the flat floor",
                        description=__doc__)
-    p.add_argument("--workload", "-w", nargs="+", choices=bench.WORKLOADS, default=["mlp2000", "gpt"],
-                   help="parameter sets to step (default: mlp2000 gpt)")
+    p.add_argument("--workload", "-w", nargs="+", type=_argtype(bench.check_workload), default=["mlp2000", "gpt"],
+                   help=f"parameter sets to step: {', '.join(bench.WORKLOADS)}, or the params of any "
+                        "torch.nn.Module as package.module:callable (default: mlp2000 gpt)")
     p.add_argument("--optimizer", "-o", nargs="+", choices=list(registry.OPTIMIZERS), default=["adamw"],
                    help="optimizers to time (default: adamw)")
     p.add_argument("--impl", nargs="+", choices=list(LEVELS), default=list(LEVELS),
@@ -26,24 +27,33 @@ def add_parser(sub) -> None:
                    help="clip the global grad norm: fastoptim in the step (max_grad_norm), torch with "
                         "clip_grad_norm_ first; adds a fastoptim row with the separate clip pass")
     p.add_argument("--no-schedulers", action="store_true", help="skip the scheduler-overhead table")
-    p.add_argument("--params", type=_count, default=25_000_000,
+    p.add_argument("--plot", metavar="PATH", help="write a PNG bar chart of the results (needs matplotlib)")
+    p.add_argument("--params", type=_argtype(bench.parse_count), default=25_000_000,
                    help="size of the gpt and flat workloads, e.g. 25M, 1.5B (default: 25M)")
     p.add_argument("--rounds", type=int, default=7, help="interleaved timing rounds (default: 7)")
     p.add_argument("--steps", type=int, default=3, help="steps per round (default: 3)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps after the first (default: 2)")
     p.add_argument("--quick", action="store_true", help="seconds, not minutes: small sizes, 3 rounds of 1 step")
-    p.add_argument("--no-peers", action="store_true", help="time fastoptim rows only (and the flat floor)")
+    p.add_argument("--peers", choices=bench.PEER_MODES, default="fp32",
+                   help="none; torch (torch.optim loop/foreach/fused); fp32 (also installed libraries' "
+                        "full-precision optimizers: optimi, heavyball, bitsandbytes); all (also their 8/4-bit "
+                        "optimizers, torchao's, and torch.compile of torch's step) (default: fp32)")
+    p.add_argument("--no-peers", action="store_const", const="none", dest="peers",
+                   help="same as --peers none")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     p.add_argument("--json", metavar="PATH", help="write results as JSON (schema in README.md)")
     p.add_argument("--markdown", metavar="PATH", help="write the tables as Markdown")
     p.set_defaults(func=run)
 
 
-def _count(text: str) -> int:
-    try:
-        return bench.parse_count(text)
-    except ValueError as e:  # argparse shows an ArgumentTypeError's own words
-        raise argparse.ArgumentTypeError(str(e)) from None
+def _argtype(parse):
+    def convert(text: str):
+        try:
+            return parse(text)
+        except ValueError as e:  # argparse shows an ArgumentTypeError's own words
+            raise argparse.ArgumentTypeError(str(e)) from None
+    convert.__name__ = parse.__name__
+    return convert
 
 
 def run(args: argparse.Namespace) -> int:
@@ -58,13 +68,23 @@ def run(args: argparse.Namespace) -> int:
     if args.quick:
         args.params = min(args.params, 2_000_000)
         args.rounds, args.steps, args.warmup = 3, 1, 1
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            print("fastoptim bench: --plot needs matplotlib (pip install 'fastoptim[bench]')", file=sys.stderr)
+            return 2
     jobs = []
     for workload in args.workload:
-        shapes = bench.shapes_for(workload, args.params)
+        try:
+            shapes = bench.shapes_for(workload, args.params)
+        except ValueError as e:
+            print(f"fastoptim bench: {e}", file=sys.stderr)
+            return 2
         if args.quick and workload == "mlp2000":
             shapes = shapes[:400]  # 200 layers
         for optimizer in args.optimizer:
-            jobs.append((workload, optimizer, shapes, bench.rows_for(optimizer, args.impl, args.flat, not args.no_peers, args.clip)))
+            jobs.append((workload, optimizer, shapes, bench.rows_for(optimizer, args.impl, args.flat, args.peers, args.clip)))
     total = sum(len(rows) * (1 + args.rounds) for *_, rows in jobs)
     results = []
     with _progress(total) as advance:
@@ -79,6 +99,8 @@ def run(args: argparse.Namespace) -> int:
     if args.markdown:
         with open(args.markdown, "w") as f:
             f.write(bench.markdown(results, schedulers))
+    if args.plot:
+        bench.plot(results, args.plot)
     return 0
 
 
