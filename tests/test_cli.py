@@ -66,3 +66,23 @@ def test_bad_numbers_are_refused(capsys):
     assert main(["bench", "--rounds", "0"]) == 2
     assert main(["bench", "--clip", "-1"]) == 2
     assert "--clip" in capsys.readouterr().err
+
+
+def test_curves_writes_png_json_and_matches_torch(tmp_path):
+    png, out_json = tmp_path / "c.png", tmp_path / "c.json"
+    assert main(["curves", "-o", "adamw", "lion", "--impl", "loop", "fused", "--flat", "fused", "--steps", "12",
+                 "--out", str(png), "--json", str(out_json)]) == 0
+    assert png.read_bytes()[:4] == b"\x89PNG" and png.stat().st_size > 10_000
+    data = json.loads(out_json.read_text())
+    assert {(d["optimizer"], d["curve"]) for d in data["differences"]} == {
+        (o, c) for o in ("adamw", "lion") for c in ("loop", "fused", "fused flat")}
+    for d in data["differences"]:
+        assert d["max_abs_diff"] < 1e-4  # 32-bit state: the same curve as the reference
+    losses = next(c["losses"] for c in data["curves"] if c["curve"] == "torch")
+    assert len(losses) == 12 and losses[-1] < losses[0]  # it really trains
+
+
+def test_corpus_ships_with_python():
+    from fastoptim import data
+    text = data.corpus_bytes()
+    assert len(text) > 300_000 and b"def" in text

@@ -7,7 +7,7 @@ import fastoptim
 from conftest import clone_params, make_params, set_grads
 from fastoptim.levels import LEVELS
 from fastoptim.registry import OPTIMIZERS
-from reference import reference_class, reference_kwargs
+from fastoptim.reference import reference_class, reference_kwargs
 
 
 @pytest.mark.parametrize("norm_type", [2.0, 1.0, 3.0, float("inf")])

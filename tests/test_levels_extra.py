@@ -7,7 +7,7 @@ import fastoptim
 from conftest import clone_params, make_params, set_grads
 from fastoptim.levels import LEVELS
 from fastoptim.registry import OPTIMIZERS
-from reference import reference_class, reference_kwargs
+from fastoptim.reference import reference_class, reference_kwargs
 
 
 def _frames_compiled() -> int:

@@ -6,7 +6,7 @@ import torch
 from conftest import CASES, MATRIX, assert_state_close, clone_params, make_params, set_grads, two_groups
 from fastoptim.levels import LEVELS
 from fastoptim.registry import OPTIMIZERS
-from reference import reference_class, reference_kwargs
+from fastoptim.reference import reference_class, reference_kwargs
 
 STEPS = 20
 

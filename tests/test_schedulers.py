@@ -6,7 +6,7 @@ from torch.optim import lr_scheduler as S
 
 from conftest import clone_params, make_params, set_grads
 from fastoptim.registry import OPTIMIZERS
-from reference import reference_class, reference_kwargs
+from fastoptim.reference import reference_class, reference_kwargs
 
 SCHEDULERS = {
     "LambdaLR": lambda o: S.LambdaLR(o, lambda e: 0.9 ** e),

@@ -203,7 +203,7 @@ def test_grad_scaler_skips_inside_the_kernel_without_reading_found_inf(interpret
     """GradScaler's found_inf goes into the kernel; the step never reads it on the host. The skipped step is
     counted optimistically and taken back at the next step, so the run still matches torch's."""
     from test_levels_extra import _scaler_run
-    from reference import reference_class, reference_kwargs
+    from fastoptim.reference import reference_class, reference_kwargs
 
     spec = OPTIMIZERS[name]
     opts = spec.option_sets[1]

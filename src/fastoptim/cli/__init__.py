@@ -1,17 +1,18 @@
-"""The ``fastoptim`` command: ``fastoptim bench ...``."""
+"""The ``fastoptim`` command: ``fastoptim bench | curves``."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-from . import bench
+from . import bench, curves
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fastoptim", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     bench.add_parser(sub)
+    curves.add_parser(sub)
     return parser
 
 
