@@ -1,11 +1,11 @@
-"""The ``fastoptim`` command: ``fastoptim bench | curves``."""
+"""The ``fastoptim`` command: ``fastoptim bench | curves | train``."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-from . import bench, curves
+from . import bench, curves, train
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -13,6 +13,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     bench.add_parser(sub)
     curves.add_parser(sub)
+    train.add_parser(sub)
     return parser
 
 

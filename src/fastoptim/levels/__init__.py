@@ -9,7 +9,9 @@ the fused and compiled levels apply it inside their kernels, loop and foreach in
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+import os
+from functools import lru_cache
+from typing import Callable
 
 import torch
 from torch import Tensor
@@ -51,18 +53,34 @@ def pack_scalars(scalars: tuple, device: torch.device) -> Tensor:
     return torch.stack([torch.as_tensor(s, dtype=torch.float32, device=device).reshape(()) for s in scalars])
 
 
+@lru_cache(maxsize=None)
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def uses_triton(device: torch.device) -> bool:
+    """Whether the fused level runs its Triton kernel here: CUDA tensors, or CPU tensors while Triton's
+    interpreter is on (``TRITON_INTERPRET=1``, how the kernels are tested without a GPU)."""
+    wanted = device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+    return wanted and triton_available()
+
+
 def skips_in_kernel(impl: str, device: torch.device) -> bool:
     """Whether ``impl`` on ``device`` reads GradScaler's found_inf inside its kernels (no host sync)."""
-    import os
-    return impl in ("auto", "fused") and (device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1")
+    return impl in ("auto", "fused") and uses_triton(device)
 
 
 def level(impl: str, device: torch.device) -> Callable:
     """The run function for ``impl`` on ``device``; "auto" is the fused level, the fastest everywhere."""
-    from . import compiled, foreach, fused, loop
+    from . import compiled, foreach, fused, loop  # they import Bucket from here
 
     return {"auto": fused.run, "fused": fused.run, "compiled": compiled.run, "foreach": foreach.run,
             "loop": loop.run}[impl]
 
 
-__all__ = ["IMPLS", "LEVELS", "Bucket", "check_impl", "level", "pack_scalars", "scaled_grads", "skips_in_kernel", "Sequence"]
+__all__ = ["IMPLS", "LEVELS", "Bucket", "check_impl", "level", "pack_scalars", "scaled_grads", "skips_in_kernel",
+           "triton_available", "uses_triton"]

@@ -2,7 +2,7 @@
 
 * CUDA (and CPU tensors under ``TRITON_INTERPRET=1``): the generated multi-tensor Triton kernel, one
   launch per bucket (``triton_kernels``); tensors the kernel cannot take (misaligned, non-contiguous)
-  go through the foreach level.
+  go through the foreach level, and so does everything on a GPU machine without Triton installed.
 * CPU: torch's own fused kernel where the rule names one (Adam, AdamW, SGD, Adagrad); otherwise the
   rule compiled by Inductor into one in-place loop, when the bucket's tensors are large enough to
   amortise a call each (flat buffers always are); otherwise the cache-blocked foreach level.
@@ -10,12 +10,11 @@
 
 from __future__ import annotations
 
-import os
 import warnings
 
 import torch
 
-from . import Bucket, compiled, foreach
+from . import Bucket, compiled, foreach, uses_triton
 
 # torch 2.13's fused CPU SGD is wrong for fp16/bf16 (0.26 off its own single-tensor SGD after 3 steps),
 # so low-precision buckets take our own paths
@@ -25,18 +24,14 @@ COMPILED_MIN_MEAN_NUMEL = 1 << 14
 _not_compilable: set = set()
 
 
-def _use_triton(bucket: Bucket) -> bool:
-    """CUDA tensors, or CPU tensors while Triton's interpreter is on (how the kernels are tested here)."""
-    return bucket.device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
-
-
-
 def run(rule, bucket: Bucket, group: dict, step: int, scalars: tuple, flags: tuple, grad_mul=None,
         found_inf=None) -> None:
     """``found_inf`` comes only where ``skips_in_kernel`` holds: the kernel leaves everything as it was
     when it is set."""
-    if _use_triton(bucket):
+    if uses_triton(bucket.device):
         return _run_triton(rule, bucket, group, step, scalars, flags, grad_mul, found_inf)
+    if bucket.device.type != "cpu":  # a GPU without Triton installed: the foreach level is exact there
+        return foreach.run(rule, bucket, group, step, scalars, flags, grad_mul)
     if found_inf is not None:  # a CPU bucket beside GPU ones: read the flag here, where it costs a copy
         if found_inf.item() != 0:
             return

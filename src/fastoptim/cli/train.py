@@ -1,0 +1,81 @@
+"""``fastoptim train``: the flags are TrainConfig's fields (``--batch-size`` for ``batch_size``), one place."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import typing
+
+from ..registry import OPTIMIZERS
+from ..train.loop import DTYPES, SCHEDULES, TrainConfig
+
+CHOICES = {"optimizer": tuple(OPTIMIZERS), "dtype": tuple(DTYPES), "schedule": SCHEDULES, "impl": ("auto", "loop", "foreach", "fused", "compiled"),
+           "compile_mode": ("default", "reduce-overhead", "max-autotune"), "device": ("auto", "cpu", "cuda")}
+
+
+def _optional_float(text: str) -> float | None:
+    if text.lower() == "none":
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number or 'none', got {text!r}") from None
+
+
+def _field_comments() -> dict[str, str]:
+    """The comment after each TrainConfig field: the flags' help text comes from the config itself."""
+    import inspect
+    import re
+
+    return {m.group(1): m.group(2).strip() for m in
+            re.finditer(r"^\s+(\w+): [^=]+=[^#]*#(.*)$", inspect.getsource(TrainConfig), re.MULTILINE)}
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("train", help="train a small GPT with fastoptim (CPU by default, on Python's own text)",
+                       description=__doc__)
+    hints = typing.get_type_hints(TrainConfig)
+    helps = _field_comments()
+    for f in dataclasses.fields(TrainConfig):
+        flag = "--" + f.name.replace("_", "-")
+        kind, help_text = hints[f.name], f"{helps.get(f.name, '')} (default: {f.default})"
+        if kind is bool:
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
+        elif f.name == "max_grad_norm":
+            p.add_argument(flag, type=_optional_float, default=f.default, help=help_text)
+        else:
+            base = next((t for t in typing.get_args(kind) if t is not type(None)), kind)
+            p.add_argument(flag, type=base, default=f.default, choices=CHOICES.get(f.name), help=help_text)
+    p.add_argument("--state-bits", type=int, default=32, help="optimizer state precision (32 in this build)")
+    p.add_argument("--json", metavar="PATH", help="write the summary and the loss log as JSON")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.state_bits != 32:
+        print(f"fastoptim train: --state-bits {args.state_bits}: only 32-bit optimizer state exists in this "
+              "build", file=sys.stderr)
+        return 2
+    cfg = TrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)})
+    from ..train import main
+    try:
+        summary = main(cfg)
+    except (ValueError, FileNotFoundError, RuntimeError) as e:
+        print(f"fastoptim train: {e}", file=sys.stderr)
+        return 2
+    if summary["rank"] != 0:
+        return 0
+    mfu = f"{summary['mfu']:.1%}" if summary["mfu"] is not None else "n/a on this device (no peak FLOP/s entry)"
+    print(f"params {summary['params']:,}  steps {summary['steps']}  train loss {summary['final_loss']:.4f}  "
+          f"val loss {summary['val_loss']:.4f}")
+    print(f"{summary['tokens_per_s']:.0f} tokens/s, {summary['achieved_gflops']:.1f} GFLOP/s achieved, MFU {mfu}, "
+          f"optimizer step {summary['optimizer_share']:.1%} of the iteration")
+    if "sample" in summary:
+        print("--- sample ---")
+        print(summary["sample"])
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({k: v for k, v in summary.items()}, f, indent=2)
+    return 0

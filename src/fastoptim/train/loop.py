@@ -1,0 +1,319 @@
+"""``fastoptim train``: a GPT trained with the whole stack, nanoGPT-shaped: a config at the top, a pure
+``get_lr``, a loop that reads top to bottom, and an importable ``main(cfg)``.
+
+CPU by default, on the English text that ships with Python (byte-level tokens); the same code runs on a
+GPU, and under ``torchrun`` with ``--ddp`` (gloo on CPUs, nccl on GPUs).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass
+
+import torch
+
+from .. import data as corpus
+from .. import factory, schedules
+from .model import GPT, GPTConfig
+
+
+@dataclass
+class TrainConfig:
+    # data
+    data: str | None = None            # a text file, or a nanoGPT-style uint16 .bin of tokens; None: Python's pydoc text
+    val_fraction: float = 0.1          # the last part of the tokens, held out for validation
+    # model
+    n_layer: int = 4                   # transformer blocks
+    n_head: int = 4                    # query heads
+    n_kv_head: int = 2                 # key/value heads (grouped-query attention)
+    n_embd: int = 128                  # residual width
+    block_size: int = 128              # context length in tokens
+    grad_checkpointing: bool = False   # recompute blocks in backward (less memory, more compute)
+    # optimisation
+    optimizer: str = "adamw"           # any fastoptim optimizer name
+    impl: str = "auto"                 # fastoptim level: auto, loop, foreach, fused, compiled
+    flat: bool = False                 # params, grads and states in one buffer per group
+    lr: float = 3e-3                   # peak learning rate
+    min_lr_ratio: float = 0.1          # final lr as a fraction of the peak
+    weight_decay: float = 0.1          # decoupled decay on >= 2-D weights (none on norms and biases)
+    schedule: str = "warmup_cosine"    # warmup_cosine, wsd, linear, constant
+    warmup: int = 100                  # warmup steps
+    max_grad_norm: float | None = 1.0  # global-norm clipping inside the step; None: off
+    batch_size: int = 16               # sequences per micro-batch
+    grad_accum_steps: int = 1          # micro-batches per optimizer step
+    steps: int = 2000                  # optimizer steps
+    # precision and compilation
+    dtype: str = "fp32"                # fp32, bf16 (autocast) or fp16 (autocast + GradScaler)
+    compile: bool = False              # torch.compile the model
+    compile_mode: str = "default"      # default, reduce-overhead, max-autotune
+    fp8: bool = False                  # torchao float8 training (GPUs with compute capability >= 8.9)
+    # evaluation, checkpoints, output
+    eval_every: int = 250              # steps between validation losses
+    eval_batches: int = 8              # micro-batches per validation loss
+    out_dir: str = "out"               # checkpoints and the loss log go here
+    save_every: int = 500              # steps between checkpoints (and one at the end)
+    resume: bool = False               # continue from out_dir/ckpt.pt
+    stop_after: int = 0                # stop (with a checkpoint) after this step; 0: run to steps. The schedule still spans steps
+    sample_tokens: int = 300           # tokens of generated text at the end; 0: none
+    seed: int = 1337                   # model init, data order and sampling
+    device: str = "auto"               # auto (cuda if there is one), cpu, cuda
+    ddp: bool = False                  # DistributedDataParallel under torchrun
+    progress: bool = True              # a progress bar (rich) while training
+
+
+SCHEDULES = ("warmup_cosine", "wsd", "linear", "constant")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# dense bf16 tensor-core peaks, FLOP/s. CPUs have no entry: there the log gives achieved GFLOP/s, not MFU.
+PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
+
+
+def get_lr(step: int, cfg: TrainConfig) -> float:
+    """The lr factor at ``step`` (times cfg.lr): a pure function of the step."""
+    return lr_schedule(cfg)(step)
+
+
+def lr_schedule(cfg: TrainConfig) -> schedules.Schedule:
+    if cfg.schedule == "warmup_cosine":
+        return schedules.warmup_cosine(min(cfg.warmup, cfg.steps - 1), cfg.steps, cfg.min_lr_ratio)
+    if cfg.schedule == "wsd":
+        decay = max(cfg.steps // 5, 1)
+        return schedules.wsd(cfg.warmup, max(cfg.steps - cfg.warmup - decay, 0), decay, cfg.min_lr_ratio)
+    if cfg.schedule == "linear":
+        return schedules.join([(cfg.warmup, schedules.linear_warmup(cfg.warmup)),
+                               (cfg.steps - cfg.warmup, schedules.linear_decay(cfg.steps - cfg.warmup,
+                                                                                cfg.min_lr_ratio))])
+    return schedules.constant()
+
+
+def check_config(cfg: TrainConfig) -> None:
+    """Every bad setting named before anything is built."""
+    if cfg.schedule not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {SCHEDULES}, got {cfg.schedule!r}")
+    if cfg.dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {tuple(DTYPES)}, got {cfg.dtype!r}")
+    if cfg.stop_after < 0:
+        raise ValueError(f"stop_after must be >= 0, got {cfg.stop_after}")
+    for name in ("steps", "batch_size", "grad_accum_steps", "eval_every", "eval_batches", "save_every",
+                 "block_size"):
+        if getattr(cfg, name) < 1:
+            raise ValueError(f"{name} must be >= 1, got {getattr(cfg, name)}")
+    if not 0 < cfg.val_fraction < 1:
+        raise ValueError(f"val_fraction must be in (0, 1), got {cfg.val_fraction}")
+    if cfg.data is not None and not os.path.isfile(cfg.data):
+        raise FileNotFoundError(f"data file not found: {cfg.data}")
+    if cfg.resume and not os.path.isfile(os.path.join(cfg.out_dir, "ckpt.pt")):
+        raise FileNotFoundError(f"--resume: no checkpoint at {os.path.join(cfg.out_dir, 'ckpt.pt')}")
+    if cfg.fp8:
+        if not (torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)):
+            raise RuntimeError("--fp8 needs an NVIDIA GPU with compute capability 8.9 or newer (H100, L4, ...)")
+
+
+def load_tokens(cfg: TrainConfig) -> torch.Tensor:
+    if cfg.data is None:
+        return corpus.corpus_tensor().long()
+    with open(cfg.data, "rb") as f:
+        raw = bytearray(f.read())
+    if cfg.data.endswith(".bin"):  # nanoGPT's format: little-endian uint16 token ids
+        if len(raw) % 2:
+            raise ValueError(f"{cfg.data}: a .bin token file holds uint16 values (an even number of bytes)")
+        return torch.frombuffer(raw, dtype=torch.uint16).to(torch.int64)
+    return torch.frombuffer(raw, dtype=torch.uint8).long()
+
+
+def get_batch(tokens: torch.Tensor, cfg: TrainConfig, generator: torch.Generator, device) -> tuple:
+    starts = torch.randint(0, len(tokens) - cfg.block_size - 1, (cfg.batch_size,), generator=generator)
+    x = torch.stack([tokens[s:s + cfg.block_size] for s in starts.tolist()])
+    y = torch.stack([tokens[s + 1:s + 1 + cfg.block_size] for s in starts.tolist()])
+    return x.to(device), y.to(device)
+
+
+def save_checkpoint(path: str, state: dict) -> None:
+    """Written to a temporary file and renamed over the old one: a crash never leaves half a checkpoint."""
+    tmp = f"{path}.tmp.{os.getpid()}"
+    torch.save(state, tmp)
+    os.replace(tmp, path)
+
+
+def main(cfg: TrainConfig) -> dict:
+    check_config(cfg)
+    rank, world = 0, 1
+    if cfg.ddp:
+        import torch.distributed as dist
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda" if cfg.device == "auto" and torch.cuda.is_available() else
+                         ("cpu" if cfg.device == "auto" else cfg.device))
+    if device.type == "cuda" and cfg.ddp:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+    master = rank == 0
+
+    # data: the first part trains, the last val_fraction validates
+    tokens = load_tokens(cfg)
+    split = int(len(tokens) * (1 - cfg.val_fraction))
+    train_tokens, val_tokens = tokens[:split], tokens[split:]
+    vocab = 256 if cfg.data is None or not cfg.data.endswith(".bin") else int(tokens.max()) + 1
+    if min(len(train_tokens), len(val_tokens)) <= cfg.block_size + 1:
+        raise ValueError(f"the data ({len(tokens)} tokens) is too short for block_size {cfg.block_size}")
+
+    # model and optimizer
+    torch.manual_seed(cfg.seed)
+    mcfg = GPTConfig(vocab_size=vocab, block_size=cfg.block_size, n_layer=cfg.n_layer, n_head=cfg.n_head,
+                     n_kv_head=cfg.n_kv_head, n_embd=cfg.n_embd, grad_checkpointing=cfg.grad_checkpointing)
+    model = GPT(mcfg).to(device)
+    if cfg.fp8:
+        from torchao.float8 import convert_to_float8_training
+        convert_to_float8_training(model)
+    opt = factory.create(model, cfg.optimizer, lr=cfg.lr, weight_decay=cfg.weight_decay, impl=cfg.impl,
+                         flat=cfg.flat, max_grad_norm=cfg.max_grad_norm)
+    scheduler = schedules.Scheduler(opt, lr_schedule(cfg))
+    scaler = torch.amp.GradScaler(device.type, enabled=cfg.dtype == "fp16")
+    train_model = model
+    if cfg.ddp:
+        from torch.nn.parallel import DistributedDataParallel
+        train_model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    if cfg.compile:
+        train_model = torch.compile(train_model, mode=None if cfg.compile_mode == "default" else cfg.compile_mode)
+    autocast = (torch.autocast(device.type, dtype=DTYPES[cfg.dtype]) if cfg.dtype != "fp32" else nullcontext())
+    data_rng = torch.Generator().manual_seed(cfg.seed + rank)
+
+    # resume: model, optimizer, scheduler, scaler, RNG and data position, as they were
+    os.makedirs(cfg.out_dir, exist_ok=True)
+    ckpt_path = os.path.join(cfg.out_dir, "ckpt.pt")
+    start_step, log = 0, []
+    if cfg.resume:
+        ckpt = torch.load(ckpt_path, map_location=device, weights_only=False)
+        model.load_state_dict(ckpt["model"])
+        opt.load_state_dict(ckpt["optimizer"])
+        scheduler.load_state_dict(ckpt["scheduler"])
+        scheduler.last_epoch -= 1
+        scheduler.step()  # writes the lr of the step it resumes at
+        scaler.load_state_dict(ckpt["scaler"])
+        torch.set_rng_state(ckpt["torch_rng"])
+        data_rng.set_state(ckpt["data_rng"][rank])
+        start_step, log = ckpt["step"], ckpt["log"]
+
+    def evaluate() -> float:
+        model.eval()
+        g = torch.Generator().manual_seed(12345)  # the same validation batches every time
+        losses = []
+        with torch.no_grad(), autocast:
+            for _ in range(cfg.eval_batches):
+                x, y = get_batch(val_tokens, cfg, g, device)
+                losses.append(model(x, y)[1].item())
+        model.train()
+        return sum(losses) / len(losses)
+
+    n_params = model.num_params()
+    flops_per_token = 6 * n_params + 12 * cfg.n_layer * cfg.n_head * (cfg.n_embd // cfg.n_head) * cfg.block_size
+    tokens_per_step = cfg.batch_size * cfg.block_size * cfg.grad_accum_steps * world
+    peak = _device_peak(device)
+    end_step = min(cfg.stop_after, cfg.steps) if cfg.stop_after else cfg.steps
+    progress = _Progress(end_step - start_step, enabled=cfg.progress and master)
+    stats = {"step_time": 0.0, "opt_time": 0.0, "steps": 0}
+    with progress:
+        for step in range(start_step, end_step):
+            t0 = time.perf_counter()
+            for micro in range(cfg.grad_accum_steps):
+                x, y = get_batch(train_tokens, cfg, data_rng, device)
+                sync = nullcontext()
+                if cfg.ddp and micro < cfg.grad_accum_steps - 1:
+                    sync = train_model.no_sync()
+                with sync, autocast:
+                    _, loss = train_model(x, y)
+                scaler.scale(loss / cfg.grad_accum_steps).backward()
+            t_opt = time.perf_counter()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad(set_to_none=True)
+            scheduler.step()
+            t1 = time.perf_counter()
+            stats["step_time"] += t1 - t0
+            stats["opt_time"] += t1 - t_opt
+            stats["steps"] += 1
+            entry = {"step": step + 1, "loss": loss.item(), "lr": float(opt.param_groups[0]["lr"]),
+                     "tokens_per_s": tokens_per_step / (t1 - t0)}
+            if (step + 1) % cfg.eval_every == 0 or step + 1 == end_step:
+                entry["val_loss"] = evaluate()
+            log.append(entry)
+            progress.update(entry)
+            if master and ((step + 1) % cfg.save_every == 0 or step + 1 == end_step):
+                save_checkpoint(ckpt_path, {
+                    "model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": scheduler.state_dict(),
+                    "scaler": scaler.state_dict(), "torch_rng": torch.get_rng_state(),
+                    "data_rng": _gather_rng(data_rng, cfg.ddp), "step": step + 1, "log": log,
+                    "config": asdict(cfg)})
+            elif cfg.ddp and (step + 1) % cfg.save_every == 0:
+                _gather_rng(data_rng, cfg.ddp)
+
+    mean_step = stats["step_time"] / max(stats["steps"], 1)
+    tokens_per_s = tokens_per_step / mean_step if mean_step else 0.0
+    summary = {
+        "rank": rank, "params": n_params, "steps": end_step, "final_loss": log[-1]["loss"] if log else math.nan,
+        "val_loss": next((e["val_loss"] for e in reversed(log) if "val_loss" in e), math.nan),
+        "tokens_per_s": tokens_per_s, "achieved_gflops": flops_per_token * tokens_per_s / 1e9,
+        "mfu": flops_per_token * tokens_per_s / peak if peak else None,
+        "optimizer_share": stats["opt_time"] / stats["step_time"] if stats["step_time"] else 0.0,
+        "log": log,
+    }
+    if cfg.sample_tokens and master:
+        g = torch.Generator(device=device).manual_seed(cfg.seed)
+        prompt = torch.tensor([[10]], device=device)  # a newline
+        out = model.generate(prompt, cfg.sample_tokens, generator=g)[0].tolist()
+        summary["sample"] = bytes(t % 256 for t in out).decode("utf-8", errors="replace")
+    if cfg.ddp:
+        import torch.distributed as dist
+        dist.destroy_process_group()
+    return summary
+
+
+def _gather_rng(generator: torch.Generator, ddp: bool) -> list:
+    """Every rank's data-order state (rank 0 writes them all, so a resume restores each rank's order)."""
+    state = generator.get_state()
+    if not ddp:
+        return [state]
+    import torch.distributed as dist
+    states = [None] * dist.get_world_size()
+    dist.all_gather_object(states, state)
+    return states
+
+
+def _device_peak(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((peak for key, peak in PEAK_FLOPS.items() if key in name), None)
+
+
+class _Progress:
+    """A rich progress bar with the latest loss, or nothing when rich is missing or output is off."""
+
+    def __init__(self, total: int, enabled: bool):
+        self.total, self.enabled, self.bar = total, enabled, None
+
+    def __enter__(self):
+        if self.enabled:
+            try:
+                from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+                self.bar = Progress(TextColumn("train"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                                    TextColumn("{task.description}"), TimeRemainingColumn())
+                self.bar.start()
+                self.task = self.bar.add_task("", total=self.total)
+            except ImportError:
+                self.bar = None
+        return self
+
+    def update(self, entry: dict) -> None:
+        if self.bar is None:
+            return
+        text = f"loss {entry['loss']:.3f}  {entry['tokens_per_s']:.0f} tok/s"
+        if "val_loss" in entry:
+            self.val = f"  val {entry['val_loss']:.3f}"
+        self.bar.update(self.task, advance=1, description=text + getattr(self, "val", ""))
+
+    def __exit__(self, *exc):
+        if self.bar is not None:
+            self.bar.stop()
