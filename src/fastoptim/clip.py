@@ -41,6 +41,8 @@ def clip_grad_norm_(parameters: Tensor | Iterable[Tensor], max_norm: float, norm
     grads = [p.grad for p in parameters if p.grad is not None]
     max_norm = float(max_norm)
     total = grad_norm(grads, norm_type)
+    if type(total).__name__ == "DTensor":  # sharded grads: reduce the partial norm across ranks
+        total = total.full_tensor()
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(f"The total norm of order {float(norm_type)} for gradients from `parameters` is "
                            "non-finite, so it cannot be clipped. To disable this error and scale the gradients "
@@ -52,5 +54,6 @@ def clip_grad_norm_(parameters: Tensor | Iterable[Tensor], max_norm: float, norm
     for g in grads:
         by_key.setdefault((g.device, g.dtype), []).append(g)
     for (device, _), gs in by_key.items():
-        torch._foreach_mul_(gs, factor.to(device))
+        local = [g.to_local() if type(g).__name__ == "DTensor" else g for g in gs]
+        torch._foreach_mul_(local, factor.to(device))
     return total

@@ -19,6 +19,8 @@ class FlatBucket:
     def __init__(self, params: list[Tensor]):
         self.params = params
         p0 = params[0]
+        if any(type(p.data) is not torch.Tensor for p in params):
+            raise ValueError("flat=True needs plain tensors; sharded (DTensor, FSDP2) params keep flat=False")
         if not (p0.is_floating_point() and all(p.dtype == p0.dtype and p.device == p0.device for p in params)):
             raise ValueError("flat=True needs real floating-point params of one dtype and device per bucket")
         self.numels = [p.numel() for p in params]

@@ -51,6 +51,10 @@ class _Amp:
         return self.found_inf.clone(), None, self.stepped, self.buckets
 
 
+def _is_dtensor(t: Tensor) -> bool:
+    return type(t) is not Tensor and type(t).__name__ == "DTensor" and hasattr(t, "to_local")
+
+
 class FastOptimizer(torch.optim.Optimizer):
     rule: Rule
     _step_supports_amp_scaling = True
@@ -178,6 +182,8 @@ class FastOptimizer(torch.optim.Optimizer):
         else:
             grads = [g for _, _, gs in work for g in gs]
         total = clip.grad_norm(grads)
+        if _is_dtensor(total):  # sharded grads: the norm is a partial sum until reduced across ranks
+            total = total.full_tensor()
         if grad_mul is not None:
             total = total * grad_mul.to(total.device)
         self.last_grad_norm = total
@@ -260,6 +266,9 @@ class FastOptimizer(torch.optim.Optimizer):
                     amp.stepped.append(state)
             else:  # torch keeps no counter here (SGD, Lion): the rule only tells a first step from later ones
                 step = 1 if fresh else 2
+            if _is_dtensor(p):  # FSDP2 / tensor parallel: the update is elementwise, so each rank's shard
+                p, g = p.to_local(), g.to_local()
+                tensors = [t.to_local() for t in tensors]
             if p.is_complex():  # elementwise on the real view, as torch.optim does
                 p, g = torch.view_as_real(p), torch.view_as_real(g)
                 tensors = [torch.view_as_real(t) for t in tensors]
