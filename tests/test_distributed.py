@@ -48,3 +48,19 @@ def test_train_ddp_under_torchrun_and_resume(tmp_path):
     assert second.returncode == 0, second.stderr[-3000:]
     summary = json.loads((tmp_path / "s.json").read_text())
     assert summary["steps"] == 8 and len(summary["log"]) == 8
+
+
+def test_train_fsdp2_checkpoints_through_dcp_and_resumes_exactly(tmp_path):
+    common = ["-m", "fastoptim", "train", "--fsdp", "--n-layer", "1", "--n-embd", "32", "--n-head", "2",
+              "--n-kv-head", "1", "--block-size", "32", "--batch-size", "4", "--steps", "8", "--warmup", "2",
+              "--eval-every", "4", "--eval-batches", "1", "--save-every", "4", "--sample-tokens", "0",
+              "--no-progress"]
+    straight = torchrun(*common, "--out-dir", str(tmp_path / "a"), "--json", str(tmp_path / "a.json"))
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    half = torchrun(*common, "--out-dir", str(tmp_path / "b"), "--stop-after", "4")
+    assert half.returncode == 0, half.stderr[-3000:]
+    assert (tmp_path / "b" / "dcp").is_dir() and not (tmp_path / "b" / "dcp.tmp").exists()
+    rest = torchrun(*common, "--out-dir", str(tmp_path / "b"), "--resume", "--json", str(tmp_path / "b.json"))
+    assert rest.returncode == 0, rest.stderr[-3000:]
+    losses = [[e["loss"] for e in json.loads((tmp_path / f"{r}.json").read_text())["log"]] for r in "ab"]
+    assert losses[0] == losses[1] and len(losses[0]) == 8

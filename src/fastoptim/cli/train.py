@@ -50,6 +50,7 @@ def add_parser(sub) -> None:
             p.add_argument(flag, type=base, default=f.default, choices=CHOICES.get(f.name), help=help_text)
     p.add_argument("--state-bits", type=int, default=32, help="optimizer state precision (32 in this build)")
     p.add_argument("--json", metavar="PATH", help="write the summary and the loss log as JSON")
+    p.add_argument("--plot", metavar="PATH", help="write a PNG of the train and validation loss")
     p.set_defaults(func=run)
 
 
@@ -77,5 +78,24 @@ def run(args: argparse.Namespace) -> int:
         print(summary["sample"])
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({k: v for k, v in summary.items()}, f, indent=2)
+            json.dump(summary, f, indent=2)
+    if args.plot:
+        plot_losses(summary["log"], args.plot)
     return 0
+
+
+def plot_losses(log: list[dict], path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot([e["step"] for e in log], [e["loss"] for e in log], linewidth=0.6, alpha=0.6, label="train (batch)")
+    val = [e for e in log if "val_loss" in e]
+    ax.plot([e["step"] for e in val], [e["val_loss"] for e in val], "o-", label="validation")
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross-entropy per byte")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

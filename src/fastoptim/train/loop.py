@@ -2,7 +2,7 @@
 ``get_lr``, a loop that reads top to bottom, and an importable ``main(cfg)``.
 
 CPU by default, on the English text that ships with Python (byte-level tokens); the same code runs on a
-GPU, and under ``torchrun`` with ``--ddp`` (gloo on CPUs, nccl on GPUs).
+GPU, and under ``torchrun`` with ``--ddp`` or ``--fsdp`` (gloo on CPUs, nccl on GPUs).
 """
 
 from __future__ import annotations
@@ -61,6 +61,7 @@ class TrainConfig:
     seed: int = 1337                   # model init, data order and sampling
     device: str = "auto"               # auto (cuda if there is one), cpu, cuda
     ddp: bool = False                  # DistributedDataParallel under torchrun
+    fsdp: bool = False                 # FSDP2 (fully_shard per block) under torchrun; checkpoints through DCP
     progress: bool = True              # a progress bar (rich) while training
 
 
@@ -94,6 +95,10 @@ def check_config(cfg: TrainConfig) -> None:
         raise ValueError(f"schedule must be one of {SCHEDULES}, got {cfg.schedule!r}")
     if cfg.dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {tuple(DTYPES)}, got {cfg.dtype!r}")
+    if cfg.ddp and cfg.fsdp:
+        raise ValueError("choose one of --ddp and --fsdp")
+    if cfg.fsdp and cfg.flat:
+        raise ValueError("--flat keeps plain tensors in one buffer; FSDP2 shards them: use one or the other")
     if cfg.stop_after < 0:
         raise ValueError(f"stop_after must be >= 0, got {cfg.stop_after}")
     for name in ("steps", "batch_size", "grad_accum_steps", "eval_every", "eval_batches", "save_every",
@@ -140,13 +145,14 @@ def save_checkpoint(path: str, state: dict) -> None:
 def main(cfg: TrainConfig) -> dict:
     check_config(cfg)
     rank, world = 0, 1
-    if cfg.ddp:
+    distributed = cfg.ddp or cfg.fsdp
+    if distributed:
         import torch.distributed as dist
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
         rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda" if cfg.device == "auto" and torch.cuda.is_available() else
                          ("cpu" if cfg.device == "auto" else cfg.device))
-    if device.type == "cuda" and cfg.ddp:
+    if device.type == "cuda" and distributed:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
     master = rank == 0
@@ -167,6 +173,11 @@ def main(cfg: TrainConfig) -> dict:
     if cfg.fp8:
         from torchao.float8 import convert_to_float8_training
         convert_to_float8_training(model)
+    if cfg.fsdp:
+        from torch.distributed.fsdp import fully_shard
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
     opt = factory.create(model, cfg.optimizer, lr=cfg.lr, weight_decay=cfg.weight_decay, impl=cfg.impl,
                          flat=cfg.flat, max_grad_norm=cfg.max_grad_norm)
     scheduler = schedules.Scheduler(opt, lr_schedule(cfg))
@@ -186,8 +197,11 @@ def main(cfg: TrainConfig) -> dict:
     start_step, log = 0, []
     if cfg.resume:
         ckpt = torch.load(ckpt_path, map_location=device, weights_only=False)
-        model.load_state_dict(ckpt["model"])
-        opt.load_state_dict(ckpt["optimizer"])
+        if cfg.fsdp:
+            _load_sharded(model, opt, os.path.join(cfg.out_dir, "dcp"))
+        else:
+            model.load_state_dict(ckpt["model"])
+            opt.load_state_dict(ckpt["optimizer"])
         scheduler.load_state_dict(ckpt["scheduler"])
         scheduler.last_epoch -= 1
         scheduler.step()  # writes the lr of the step it resumes at
@@ -219,9 +233,11 @@ def main(cfg: TrainConfig) -> dict:
             t0 = time.perf_counter()
             for micro in range(cfg.grad_accum_steps):
                 x, y = get_batch(train_tokens, cfg, data_rng, device)
-                sync = nullcontext()
-                if cfg.ddp and micro < cfg.grad_accum_steps - 1:
+                sync, last = nullcontext(), micro == cfg.grad_accum_steps - 1
+                if cfg.ddp and not last:
                     sync = train_model.no_sync()
+                if cfg.fsdp:
+                    model.set_requires_gradient_sync(last)
                 with sync, autocast:
                     _, loss = train_model(x, y)
                 scaler.scale(loss / cfg.grad_accum_steps).backward()
@@ -240,14 +256,17 @@ def main(cfg: TrainConfig) -> dict:
                 entry["val_loss"] = evaluate()
             log.append(entry)
             progress.update(entry)
-            if master and ((step + 1) % cfg.save_every == 0 or step + 1 == end_step):
-                save_checkpoint(ckpt_path, {
-                    "model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": scheduler.state_dict(),
-                    "scaler": scaler.state_dict(), "torch_rng": torch.get_rng_state(),
-                    "data_rng": _gather_rng(data_rng, cfg.ddp), "step": step + 1, "log": log,
-                    "config": asdict(cfg)})
-            elif cfg.ddp and (step + 1) % cfg.save_every == 0:
-                _gather_rng(data_rng, cfg.ddp)
+            if (step + 1) % cfg.save_every == 0 or step + 1 == end_step:  # every rank takes part
+                data_rngs = _gather_rng(data_rng, distributed)
+                state = {"scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
+                         "torch_rng": torch.get_rng_state(), "data_rng": data_rngs, "step": step + 1, "log": log,
+                         "config": asdict(cfg)}
+                if cfg.fsdp:
+                    _save_sharded(model, opt, os.path.join(cfg.out_dir, "dcp"), master)
+                else:
+                    state.update(model=model.state_dict(), optimizer=opt.state_dict())
+                if master:
+                    save_checkpoint(ckpt_path, state)
 
     mean_step = stats["step_time"] / max(stats["steps"], 1)
     tokens_per_s = tokens_per_step / mean_step if mean_step else 0.0
@@ -264,10 +283,42 @@ def main(cfg: TrainConfig) -> dict:
         prompt = torch.tensor([[10]], device=device)  # a newline
         out = model.generate(prompt, cfg.sample_tokens, generator=g)[0].tolist()
         summary["sample"] = bytes(t % 256 for t in out).decode("utf-8", errors="replace")
-    if cfg.ddp:
+    if distributed:
         import torch.distributed as dist
         dist.destroy_process_group()
     return summary
+
+
+def _save_sharded(model, opt, path: str, master: bool) -> None:
+    """FSDP2: each rank writes its shards through torch.distributed.checkpoint, into a fresh folder that
+    replaces the old one only once every rank has finished."""
+    import shutil
+
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_sd, optim_sd = get_state_dict(model, opt)
+    tmp = f"{path}.tmp"
+    dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=tmp)
+    dist.barrier()
+    if master:
+        old = f"{path}.old"
+        if os.path.isdir(path):
+            os.replace(path, old)
+        os.replace(tmp, path)
+        shutil.rmtree(old, ignore_errors=True)
+    dist.barrier()
+
+
+def _load_sharded(model, opt, path: str) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model_sd, optim_sd = get_state_dict(model, opt)
+    state = {"model": model_sd, "optimizer": optim_sd}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
 
 
 def _gather_rng(generator: torch.Generator, ddp: bool) -> list:
