@@ -93,3 +93,8 @@ def test_model_options():
         GPTConfig(n_head=4, n_kv_head=3)
     with pytest.raises(ValueError, match="block_size"):
         model(torch.randint(0, 256, (1, 17)))
+
+
+def test_compiled_model_and_compiled_optimizer(tmp_path):
+    summary = main(tiny(tmp_path, steps=3, compile=True, impl="compiled", sample_tokens=5))
+    assert len(summary["log"]) == 3 and all(e["loss"] == e["loss"] for e in summary["log"])
