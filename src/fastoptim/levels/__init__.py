@@ -74,12 +74,18 @@ def skips_in_kernel(impl: str, device: torch.device) -> bool:
     return impl in ("auto", "fused") and uses_triton(device)
 
 
-def level(impl: str, device: torch.device) -> Callable:
-    """The run function for ``impl`` on ``device``; "auto" is the fused level, the fastest everywhere."""
-    from . import compiled, foreach, fused, loop  # they import Bucket from here
+@lru_cache(maxsize=None)
+def _runs() -> dict[str, Callable]:
+    from . import compiled, foreach, fused, loop  # imported late: they import Bucket from here
 
     return {"auto": fused.run, "fused": fused.run, "compiled": compiled.run, "foreach": foreach.run,
-            "loop": loop.run}[impl]
+            "loop": loop.run}
+
+
+def level(impl: str, device: torch.device) -> Callable:
+    """The run function for ``impl`` on ``device``; "auto" is the fused level, the fastest everywhere
+    (each level picks its path by device itself)."""
+    return _runs()[impl]
 
 
 __all__ = ["IMPLS", "LEVELS", "Bucket", "check_impl", "level", "pack_scalars", "scaled_grads", "skips_in_kernel",
