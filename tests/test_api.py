@@ -124,3 +124,49 @@ def test_trains_a_real_model():
             loss.backward()
             opt.step()
         assert loss.item() < 0.5 * first, name
+
+
+@pytest.mark.parametrize("flat", [False, True])
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_optimizer_copies_and_pickles_with_its_settings(how, flat):
+    import copy
+    import io
+    params = make_params()
+    opt = fastoptim.AdamW(params, impl="foreach", flat=flat, max_grad_norm=0.5, lr=1e-2)
+    set_grads(1, [params], none_every=10 ** 9)
+    opt.step()
+    if how == "deepcopy":
+        twin = copy.deepcopy(opt)
+    else:
+        buf = io.BytesIO()
+        torch.save(opt, buf)
+        buf.seek(0)
+        twin = torch.load(buf, weights_only=False)
+    assert (twin.impl, twin.flat, twin.max_grad_norm) == ("foreach", flat, 0.5)
+    twin_params = [p for g in twin.param_groups for p in g["params"]]
+    for step in range(2, 4):
+        set_grads(step, [params, twin_params], none_every=10 ** 9)
+        opt.step()
+        twin.step()
+    for a, b in zip(params, twin_params):
+        assert torch.equal(a, b)
+
+
+def test_a_changed_param_list_is_noticed_between_steps():
+    """The step reuses last step's bucket only while the params with grads are the same ones."""
+    params = make_params()
+    ref_p = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    ours = fastoptim.Adam(params, lr=1e-2, impl="fused")
+    ref = torch.optim.Adam(ref_p, lr=1e-2, foreach=False)
+    for step in range(1, 9):
+        set_grads(step, [params, ref_p], none_every=3)  # param 1 drops out every third step
+        ours.step()
+        ref.step()
+    ours.param_groups[0]["params"][3] = params[3] = torch.nn.Parameter(params[3].detach().clone())
+    ref.param_groups[0]["params"][3] = ref_p[3] = torch.nn.Parameter(ref_p[3].detach().clone())
+    for step in range(9, 12):
+        set_grads(step, [params, ref_p], none_every=10 ** 9)
+        ours.step()
+        ref.step()
+    for a, b in zip(params, ref_p):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)

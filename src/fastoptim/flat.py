@@ -50,6 +50,16 @@ class FlatBucket:
             buffer = self.state_buffers[name] = torch.full_like(self.param_buffer, fill)
         return buffer, self.views(buffer)
 
+    def rehome(self) -> None:
+        """Make the params views of the buffer again (a deep copy clones each Parameter on its own)."""
+        for p, view in zip(self.params, self.views(self.param_buffer)):
+            if p.data_ptr() != view.data_ptr():
+                view.copy_(p.detach())
+                p.data = view
+        if any(v.data_ptr() != w.data_ptr() for v, w in zip(self.grad_views, self.views(self.grad_buffer))):
+            self.grad_views = self.views(self.grad_buffer)
+        self.repair_grads()
+
     def repair_grads(self) -> None:
         """Put the views back where the user replaced a ``.grad`` (None counts as zeros)."""
         if not any(map(operator.is_not, map(_grad, self.params), self.grad_views)):

@@ -20,6 +20,7 @@ back at the next step if the flag was set; other levels read the flag first.
 from __future__ import annotations
 
 import copy
+import operator
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
@@ -55,6 +56,22 @@ def _is_dtensor(t: Tensor) -> bool:
     return type(t) is not Tensor and type(t).__name__ == "DTensor" and hasattr(t, "to_local")
 
 
+@dataclass
+class _Plan:
+    """A group's single bucket from the last step, kept so an unchanged next step skips the per-param loop."""
+    params: list[Tensor]
+    active: tuple
+    key: tuple                       # (device, dtype)
+    states: list                     # per rule.state_names: the bucket's state tensors, None where inactive
+    step_states: list[dict]          # the state dicts whose "step" counts (empty for SGD and Lion)
+    step: int
+
+    def fits(self, params: list[Tensor], active: tuple) -> bool:
+        return (active == self.active and len(params) == len(self.params)
+                and all(map(operator.is_, params, self.params))
+                and all(st.get("step") == self.step for st in self.step_states[:1]))
+
+
 class FastOptimizer(torch.optim.Optimizer):
     rule: Rule
     _step_supports_amp_scaling = True
@@ -71,6 +88,7 @@ class FastOptimizer(torch.optim.Optimizer):
         self._flat_buckets: list[list[FlatBucket]] = []  # per param group, in flat mode
         self._bucket_caches: dict[tuple, dict] = {}
         self._pending_skips: list[tuple] = []  # (found_inf flag, event, stepped states, flat buckets)
+        self._plans: dict[int, _Plan] = {}  # per group: last step's bucket, reused while nothing changed
         defaults = dict(self.rule.defaults)
         unknown = set(hyper) - set(defaults)
         if unknown:
@@ -246,8 +264,13 @@ class FastOptimizer(torch.optim.Optimizer):
 
     def _step_group(self, index: int, group: dict, params: list[Tensor], grads: list[Tensor], amp: "_Amp") -> None:
         rule = self.rule
-        names = [n for n, needed in zip(rule.state_names, rule.active(group)) if needed]
+        active = rule.active(group)
+        plan = self._plans.get(index)
+        if plan is not None and plan.fits(params, active):
+            return self._step_planned(index, group, plan, grads, amp)
+        names = [n for n, needed in zip(rule.state_names, active) if needed]
         counts_steps = rule.exports_step
+        plain = True  # every param a plain real tensor: the bucket can be planned for the next step
         buckets: dict[tuple, tuple[list, list, list]] = {}
         for p, g in zip(params, grads):
             state = self.state[p]
@@ -269,9 +292,11 @@ class FastOptimizer(torch.optim.Optimizer):
             if _is_dtensor(p):  # FSDP2 / tensor parallel: the update is elementwise, so each rank's shard
                 p, g = p.to_local(), g.to_local()
                 tensors = [t.to_local() for t in tensors]
+                plain = False
             if p.is_complex():  # elementwise on the real view, as torch.optim does
                 p, g = torch.view_as_real(p), torch.view_as_real(g)
                 tensors = [torch.view_as_real(t) for t in tensors]
+                plain = False
             key = (p.device, p.dtype, step)
             bucket = buckets.get(key)
             if bucket is None:
@@ -280,11 +305,28 @@ class FastOptimizer(torch.optim.Optimizer):
             bucket[1].append(g)
             for lst, t in zip(bucket[2], tensors):
                 lst.append(t)
-        active = rule.active(group)
         for (device, dtype, step), (ps, gs, ss) in buckets.items():
             it = iter(ss)
             states = [next(it) if needed else None for needed in active]
             self._run((index, device, dtype), group, step, ps, gs, states, amp)
+        if plain and len(buckets) == 1:  # the usual case: the next step can skip the per-param work
+            (device, dtype, step), (ps, _, ss) = next(iter(buckets.items()))
+            it = iter(ss)
+            self._plans[index] = _Plan(list(params), active, (device, dtype),
+                                       [next(it) if needed else None for needed in active],
+                                       [self.state[p] for p in params] if counts_steps else [],
+                                       step if counts_steps else 2)
+        else:
+            self._plans.pop(index, None)
+
+    def _step_planned(self, index: int, group: dict, plan: "_Plan", grads: list[Tensor], amp: "_Amp") -> None:
+        """Same params, same flags as the last step, all at one step count: only the counters move."""
+        plan.step = step = plan.step + 1 if plan.step_states else 2
+        for state in plan.step_states:
+            state["step"] = step
+        if amp.found_inf is not None:
+            amp.stepped.extend(plan.step_states)
+        self._run((index, *plan.key), group, step, plan.params, grads, plan.states, amp)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """In flat mode grads are views of one buffer per bucket: zeroed with one memset, never set to None."""
@@ -333,11 +375,27 @@ class FastOptimizer(torch.optim.Optimizer):
         state_dict["state"] = {k: {n: v.clone() if isinstance(v, Tensor) else copy.deepcopy(v)
                                    for n, v in s.items()}
                                for k, s in state_dict["state"].items()}
-        self._pending_skips.clear()  # they speak of the state being replaced
+        self._resolve_skips()  # they speak of the state being replaced (the caches restart in __setstate__)
         super().load_state_dict(state_dict)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state.update(impl=self.impl, flat=self.flat, max_grad_norm=self.max_grad_norm,
+                     _flat_buckets=self._flat_buckets)
+        return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
+        # unpickled or deep-copied objects come without the step-to-step caches: start them afresh
+        self.__dict__.setdefault("impl", "auto")
+        self.__dict__.setdefault("flat", False)
+        self.__dict__.setdefault("max_grad_norm", None)
+        self.__dict__.setdefault("_flat_buckets", [])
+        self.__dict__.setdefault("last_grad_norm", None)
+        self._bucket_caches, self._plans, self._pending_skips = {}, {}, []
+        for buckets in self._flat_buckets:
+            for bucket in buckets:
+                bucket.rehome()
         for group in self.param_groups:
             for k, v in self.defaults.items():
                 group.setdefault(k, v)
@@ -345,7 +403,7 @@ class FastOptimizer(torch.optim.Optimizer):
             step = s.get("step")
             if isinstance(step, Tensor):
                 s["step"] = int(step.item())
-        for group, buckets in zip(self.param_groups, getattr(self, "_flat_buckets", [])):
+        for group, buckets in zip(self.param_groups, self._flat_buckets):
             for bucket in buckets:
                 self._sync_flat_state(bucket, group, force=True)
 
