@@ -64,3 +64,9 @@ def assert_state_close(actual, expected, msg="", atol=1e-6, rtol=1e-5):
     buffer of size ~20 that happens to sit near 0 does not read as a 1e-3 relative error."""
     scale = max(1.0, expected.abs().max().item()) if expected.numel() else 1.0
     torch.testing.assert_close(actual, expected, atol=atol * scale, rtol=rtol, msg=lambda m: f"{msg}: {m}")
+
+
+def assert_params_close(actual, expected, atol=1e-6, rtol=1e-5):
+    """Two lists of params agree element for element (the issue's fp32 tolerance by default)."""
+    for i, (a, b) in enumerate(zip(actual, expected, strict=True)):
+        torch.testing.assert_close(a, b, atol=atol, rtol=rtol, msg=lambda m: f"param {i}: {m}")

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import fastoptim
-from conftest import clone_params, make_params, set_grads
+from conftest import assert_params_close, clone_params, make_params, set_grads
 from fastoptim.levels import LEVELS
 from fastoptim.registry import OPTIMIZERS
 from fastoptim.reference import reference_class, reference_kwargs
@@ -158,8 +158,7 @@ def test_flat_state_dict_round_trips_with_torch(level):
         set_grads(step, [torch_p, flat_p], none_every=10 ** 9)
         ref.step()
         again.step()
-    for a, b in zip(flat_p, torch_p):
-        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+    assert_params_close(flat_p, torch_p)
 
 
 def test_flat_mode_refuses_complex_params():
@@ -188,8 +187,7 @@ def test_flat_sgd_loads_torch_state_with_first_step_semantics(saved_steps):
         set_grads(step, [ours_p, ref_p], none_every=10 ** 9)
         ours.step()
         ref.step()
-    for a, b in zip(ours_p, ref_p):
-        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+    assert_params_close(ours_p, ref_p)
 
 
 TENSOR_HYPER = {"sgd": ("lr", "momentum"), "adam": ("lr", "betas"), "adamw": ("lr", "betas"),
@@ -232,8 +230,7 @@ def run_with_tensor_hyperparameters(name, level, flat=False, steps=5):
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
 def test_tensor_hyperparameters_match_floats(name, level):
     floats, tensors = run_with_tensor_hyperparameters(name, level)
-    for a, b in zip(floats, tensors):
-        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+    assert_params_close(floats, tensors)
 
 
 def test_tensor_hyperparameter_must_hold_one_float():

@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from conftest import CASES, MATRIX, assert_state_close, clone_params, make_params, set_grads, two_groups
+from conftest import (CASES, MATRIX, assert_params_close, assert_state_close, clone_params, make_params, set_grads,
+                      two_groups)
 from fastoptim.levels import LEVELS
 from fastoptim.registry import OPTIMIZERS
 from fastoptim.reference import reference_class, reference_kwargs
@@ -57,8 +58,7 @@ def test_levels_agree_on_params_and_state(name, index, level):
         set_grads(step, [base_p, other_p])
         base.step()
         other.step()
-        for a, b in zip(base_p, other_p):
-            torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+        assert_params_close(base_p, other_p)
         _assert_state_close(other, base, other_p, base_p, atol=1e-6, rtol=1e-5)
 
 
@@ -144,8 +144,7 @@ def test_cache_blocked_large_tensors_match_torch(name, level):
             b.grad = a.grad.clone()
         ours.step()
         ref.step()
-    for a, b in zip(ours_p, ref_p):
-        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+    assert_params_close(ours_p, ref_p)
 
 
 @pytest.mark.parametrize("name,index,level", MATRIX)

@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import CASES
+from conftest import CASES, assert_params_close
 from fastoptim.registry import OPTIMIZERS
 
 shapes = st.lists(st.lists(st.integers(0, 9), min_size=0, max_size=3).map(tuple), min_size=1, max_size=6)
@@ -32,8 +32,7 @@ def test_levels_agree_on_random_params(shapes, case, level, lr_scale, steps, see
             b.grad = a.grad.clone()
         base.step()
         other.step()
-    for a, b in zip(base_p, other_p):
-        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+    assert_params_close(base_p, other_p)
 
 
 @settings(max_examples=15, deadline=None)

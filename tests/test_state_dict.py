@@ -5,7 +5,7 @@ import io
 import pytest
 import torch
 
-from conftest import CASES, clone_params, make_params, set_grads, two_groups
+from conftest import CASES, assert_params_close, clone_params, make_params, set_grads, two_groups
 from fastoptim.levels import LEVELS
 from fastoptim.registry import OPTIMIZERS
 from fastoptim.reference import reference_class, reference_kwargs
@@ -41,8 +41,7 @@ def test_torch_checkpoint_loads_and_continues_as_torch(name, index):
     ours.load_state_dict(sd)
     _run(ours, ours_p, 6, start=6)
     _run(torch_opt, torch_p, 6, start=6)
-    for a, b in zip(ours_p, torch_p):
-        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+    assert_params_close(ours_p, torch_p)
 
 
 @pytest.mark.parametrize("name,index", TORCH_CASES)
@@ -62,8 +61,7 @@ def test_fastoptim_checkpoint_loads_into_torch(name, index):
     torch_opt.load_state_dict(sd)
     _run(torch_opt, torch_p, 6, start=6)
     _run(ours, ours_p, 6, start=6)
-    for a, b in zip(ours_p, torch_p):
-        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+    assert_params_close(ours_p, torch_p)
 
 
 @pytest.mark.parametrize("save_level", ["loop", "fused"])
@@ -124,5 +122,4 @@ def test_sgd_state_has_no_step_and_first_step_semantics_survive_reload():
         set_grads(step, [r, q])
         opt2.step()
         ref.step()
-    for a, b in zip(r, q):
-        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+    assert_params_close(r, q)

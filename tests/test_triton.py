@@ -8,7 +8,8 @@ import torch
 
 pytest.importorskip("triton")
 
-from conftest import CASES, assert_state_close, clone_params, make_params, set_grads  # noqa: E402
+from conftest import (CASES, assert_params_close, assert_state_close, clone_params, make_params,  # noqa: E402
+                      set_grads)
 from fastoptim.levels import triton_kernels as tk  # noqa: E402
 from fastoptim.registry import OPTIMIZERS  # noqa: E402
 
@@ -243,8 +244,7 @@ def test_grad_scaler_skips_inside_the_kernel_without_reading_found_inf(interpret
 def test_kernel_reads_tensor_hyperparameters_from_memory(interpret, name):
     from test_levels_extra import run_with_tensor_hyperparameters
     floats, tensors = run_with_tensor_hyperparameters(name, "fused")
-    for a, b in zip(floats, tensors):
-        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+    assert_params_close(floats, tensors)
 
 
 def test_kernel_with_scalars_in_memory_keeps_vector_access():
@@ -278,5 +278,4 @@ def test_clip_factor_applied_inside_the_kernel(interpret, flat):
         torch.nn.utils.clip_grad_norm_(ref_p, 0.5)
         ours.step()
         ref.step()
-        for a, b in zip(ours_p, ref_p):
-            torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+        assert_params_close(ours_p, ref_p)

@@ -12,6 +12,8 @@ from typing import Iterable
 import torch
 from torch import Tensor
 
+from .levels import is_dtensor
+
 
 def grad_norm(grads: list[Tensor], norm_type: float = 2.0) -> Tensor:
     """The ``norm_type``-norm of all ``grads`` taken together, as a 0-d tensor on the first grad's device."""
@@ -41,7 +43,7 @@ def clip_grad_norm_(parameters: Tensor | Iterable[Tensor], max_norm: float, norm
     grads = [p.grad for p in parameters if p.grad is not None]
     max_norm = float(max_norm)
     total = grad_norm(grads, norm_type)
-    if type(total).__name__ == "DTensor":  # sharded grads: reduce the partial norm across ranks
+    if is_dtensor(total):  # sharded grads: reduce the partial norm across ranks
         total = total.full_tensor()
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(f"The total norm of order {float(norm_type)} for gradients from `parameters` is "
@@ -54,6 +56,6 @@ def clip_grad_norm_(parameters: Tensor | Iterable[Tensor], max_norm: float, norm
     for g in grads:
         by_key.setdefault((g.device, g.dtype), []).append(g)
     for (device, _), gs in by_key.items():
-        local = [g.to_local() if type(g).__name__ == "DTensor" else g for g in gs]
+        local = [g.to_local() if is_dtensor(g) else g for g in gs]
         torch._foreach_mul_(local, factor.to(device))
     return total

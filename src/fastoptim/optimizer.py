@@ -29,7 +29,7 @@ from torch import Tensor
 
 from . import clip, levels
 from .flat import FlatBucket
-from .levels import Bucket
+from .levels import Bucket, is_dtensor
 from .rules import Rule
 
 
@@ -50,10 +50,6 @@ class _Amp:
             done.record()
             return flag, done, self.stepped, self.buckets
         return self.found_inf.clone(), None, self.stepped, self.buckets
-
-
-def _is_dtensor(t: Tensor) -> bool:
-    return type(t) is not Tensor and type(t).__name__ == "DTensor" and hasattr(t, "to_local")
 
 
 @dataclass
@@ -200,7 +196,7 @@ class FastOptimizer(torch.optim.Optimizer):
         else:
             grads = [g for _, _, gs in work for g in gs]
         total = clip.grad_norm(grads)
-        if _is_dtensor(total):  # sharded grads: the norm is a partial sum until reduced across ranks
+        if is_dtensor(total):  # sharded grads: the norm is a partial sum until reduced across ranks
             total = total.full_tensor()
         if grad_mul is not None:
             total = total * grad_mul.to(total.device)
@@ -289,7 +285,7 @@ class FastOptimizer(torch.optim.Optimizer):
                     amp.stepped.append(state)
             else:  # torch keeps no counter here (SGD, Lion): the rule only tells a first step from later ones
                 step = 1 if fresh else 2
-            if _is_dtensor(p):  # FSDP2 / tensor parallel: the update is elementwise, so each rank's shard
+            if is_dtensor(p):  # FSDP2 / tensor parallel: the update is elementwise, so each rank's shard
                 p, g = p.to_local(), g.to_local()
                 tensors = [t.to_local() for t in tensors]
                 plain = False

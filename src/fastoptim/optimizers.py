@@ -25,7 +25,8 @@ class SGD(FastOptimizer):
 
     def __init__(self, params, lr=1e-3, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False, *,
                  maximize=False, impl="auto", flat=False, max_grad_norm=None, foreach=None, fused=None):
-        super().__init__(params, _impl(impl, foreach, fused), flat, max_grad_norm, lr=lr, momentum=momentum, dampening=dampening,
+        super().__init__(params, _impl(impl, foreach, fused), flat, max_grad_norm, lr=lr, momentum=momentum,
+                         dampening=dampening,
                          weight_decay=weight_decay, nesterov=nesterov, maximize=maximize)
 
 
@@ -71,5 +72,6 @@ class Lion(FastOptimizer):
 
     def __init__(self, params, lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0, *,
                  maximize=False, impl="auto", flat=False, max_grad_norm=None, foreach=None, fused=None):
-        super().__init__(params, _impl(impl, foreach, fused), flat, max_grad_norm, lr=lr, betas=betas, weight_decay=weight_decay,
+        super().__init__(params, _impl(impl, foreach, fused), flat, max_grad_norm, lr=lr, betas=betas,
+                         weight_decay=weight_decay,
                          maximize=maximize)

@@ -153,7 +153,8 @@ class OneCycle:
         up = float(self.pct_start * self.total_steps) - 1
         lo, hi = self.base_momentum, self.max_momentum
         if self.three_phase:
-            return [(up, initial, peak, hi, lo), (float(2 * self.pct_start * self.total_steps) - 2, peak, initial, lo, hi),
+            down = float(2 * self.pct_start * self.total_steps) - 2
+            return [(up, initial, peak, hi, lo), (down, peak, initial, lo, hi),
                     (self.total_steps - 1, initial, final, hi, hi)]
         return [(up, initial, peak, hi, lo), (self.total_steps - 1, peak, final, lo, hi)]
 

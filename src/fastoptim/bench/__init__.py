@@ -5,5 +5,6 @@ from .runner import PEER_MODES, Row, rows_for, run_workload, time_schedulers
 from .plot import plot
 from .workloads import WORKLOADS, check_workload, numel, parse_count, shapes_for
 
-__all__ = ["PEER_MODES", "Row", "rows_for", "run_workload", "time_schedulers", "WORKLOADS", "check_workload", "plot", "numel", "parse_count", "shapes_for",
-           "bytes_per_param", "markdown", "print_tables", "to_dict", "write_json"]
+__all__ = ["PEER_MODES", "Row", "rows_for", "run_workload", "time_schedulers", "WORKLOADS", "check_workload",
+           "plot", "numel", "parse_count", "shapes_for", "bytes_per_param", "markdown", "print_tables", "to_dict",
+           "write_json"]

@@ -84,7 +84,8 @@ def run(args: argparse.Namespace) -> int:
         if args.quick and workload == "mlp2000":
             shapes = shapes[:400]  # 200 layers
         for optimizer in args.optimizer:
-            jobs.append((workload, optimizer, shapes, bench.rows_for(optimizer, args.impl, args.flat, args.peers, args.clip)))
+            rows = bench.rows_for(optimizer, args.impl, args.flat, args.peers, args.clip)
+            jobs.append((workload, optimizer, shapes, rows))
     total = sum(len(rows) * (1 + args.rounds) for *_, rows in jobs)
     results = []
     with _progress(total) as advance:

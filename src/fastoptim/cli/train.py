@@ -8,10 +8,11 @@ import json
 import sys
 import typing
 
+from ..levels import IMPLS
 from ..registry import OPTIMIZERS
 from ..train.loop import DTYPES, SCHEDULES, TrainConfig
 
-CHOICES = {"optimizer": tuple(OPTIMIZERS), "dtype": tuple(DTYPES), "schedule": SCHEDULES, "impl": ("auto", "loop", "foreach", "fused", "compiled"),
+CHOICES = {"optimizer": tuple(OPTIMIZERS), "dtype": tuple(DTYPES), "schedule": SCHEDULES, "impl": IMPLS,
            "compile_mode": ("default", "reduce-overhead", "max-autotune"), "device": ("auto", "cpu", "cuda")}
 
 

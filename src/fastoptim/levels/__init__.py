@@ -32,6 +32,11 @@ class Bucket:
         return self.params[0].device
 
 
+def is_dtensor(t) -> bool:
+    """A sharded tensor (FSDP2 / tensor parallel), told apart without importing torch.distributed."""
+    return type(t) is not Tensor and type(t).__name__ == "DTensor" and hasattr(t, "to_local")
+
+
 def check_impl(impl: str) -> str:
     if impl not in IMPLS:
         raise ValueError(f"Unknown impl {impl!r}; valid values: {', '.join(repr(i) for i in IMPLS)}")
@@ -88,5 +93,6 @@ def level(impl: str, device: torch.device) -> Callable:
     return _runs()[impl]
 
 
-__all__ = ["IMPLS", "LEVELS", "Bucket", "check_impl", "level", "pack_scalars", "scaled_grads", "skips_in_kernel",
+__all__ = ["IMPLS", "LEVELS", "Bucket", "check_impl", "is_dtensor", "level", "pack_scalars", "scaled_grads",
+           "skips_in_kernel",
            "triton_available", "uses_triton"]

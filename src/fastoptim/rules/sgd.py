@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import Rule, _number, check_bool, check_nonnegative, nonzero, steps_list
+from .base import Rule, _number, check_bool, check_nonnegative, nonzero
 
 
 def sgd_update(p, g, momentum_buffer,

@@ -23,7 +23,7 @@ from .model import GPT, GPTConfig
 @dataclass
 class TrainConfig:
     # data
-    data: str | None = None            # a text file, or a nanoGPT-style uint16 .bin of tokens; None: Python's pydoc text
+    data: str | None = None            # a text file or a nanoGPT uint16 .bin; None: Python's pydoc text
     val_fraction: float = 0.1          # the last part of the tokens, held out for validation
     # model
     n_layer: int = 4                   # transformer blocks
@@ -56,7 +56,7 @@ class TrainConfig:
     out_dir: str = "out"               # checkpoints and the loss log go here
     save_every: int = 500              # steps between checkpoints (and one at the end)
     resume: bool = False               # continue from out_dir/ckpt.pt
-    stop_after: int = 0                # stop (with a checkpoint) after this step; 0: run to steps. The schedule still spans steps
+    stop_after: int = 0                # stop (with a checkpoint) after this step; 0: run on (schedule spans steps)
     sample_tokens: int = 300           # tokens of generated text at the end; 0: none
     seed: int = 1337                   # model init, data order and sampling
     device: str = "auto"               # auto (cuda if there is one), cpu, cuda
