@@ -8,10 +8,11 @@ the fused and compiled levels apply it inside their kernels, loop and foreach in
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 import os
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 from torch import Tensor
@@ -35,6 +36,29 @@ class Bucket:
 def is_dtensor(t) -> bool:
     """A sharded tensor (FSDP2 / tensor parallel), told apart without importing torch.distributed."""
     return type(t) is not Tensor and type(t).__name__ == "DTensor" and hasattr(t, "to_local")
+
+
+# --- which path ran: tests of a fast path assert that it ran -------------------------------------------
+
+PATHS = ("loop", "foreach", "compiled", "triton", "torch_fused")
+_path_log: list[str] | None = None
+
+
+@contextmanager
+def record_paths() -> Iterator[list[str]]:
+    """Collect the name of every path the levels take while the block runs (one entry per bucket run;
+    a bucket split between two paths gives both). Costs one global read per bucket when not recording."""
+    global _path_log
+    outer, _path_log = _path_log, []
+    try:
+        yield _path_log
+    finally:
+        _path_log = outer
+
+
+def took(path: str) -> None:
+    if _path_log is not None:
+        _path_log.append(path)
 
 
 def check_impl(impl: str) -> str:
@@ -93,6 +117,5 @@ def level(impl: str, device: torch.device) -> Callable:
     return _runs()[impl]
 
 
-__all__ = ["IMPLS", "LEVELS", "Bucket", "check_impl", "is_dtensor", "level", "pack_scalars", "scaled_grads",
-           "skips_in_kernel",
-           "triton_available", "uses_triton"]
+__all__ = ["IMPLS", "LEVELS", "PATHS", "Bucket", "check_impl", "is_dtensor", "level", "pack_scalars",
+           "record_paths", "scaled_grads", "skips_in_kernel", "took", "triton_available", "uses_triton"]

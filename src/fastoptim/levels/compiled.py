@@ -16,7 +16,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from . import Bucket, loop, pack_scalars, scaled_grads
+from . import Bucket, loop, pack_scalars, scaled_grads, took
 
 
 def _in_place(update: Callable, flags: tuple, has_grad_mul: bool) -> Callable:
@@ -49,6 +49,7 @@ def compiled_step(update: Callable, flags: tuple, dtype: torch.dtype, has_grad_m
 
 
 def run(rule, bucket: Bucket, group: dict, step: int, scalars: tuple, flags: tuple, grad_mul=None) -> None:
+    took("compiled")
     fn = compiled_step(rule.update, tuple(flags), bucket.params[0].dtype, grad_mul is not None)
     scalars_t = pack_scalars(scalars if grad_mul is None else (*scalars, grad_mul), bucket.device)
     grads = bucket.grads

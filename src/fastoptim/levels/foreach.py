@@ -12,7 +12,7 @@ from typing import Callable, Sequence
 import torch
 from torch import Tensor
 
-from . import Bucket, scaled_grads
+from . import Bucket, scaled_grads, took
 from .blocking import blocks
 
 
@@ -74,4 +74,5 @@ def apply(update: Callable, params: list[Tensor], grads: list[Tensor], states: S
 
 
 def run(rule, bucket: Bucket, group: dict, step: int, scalars: tuple, flags: tuple, grad_mul=None) -> None:
+    took("foreach")
     apply(rule.update, bucket.params, scaled_grads(bucket.grads, grad_mul), bucket.states, scalars, flags)

@@ -14,7 +14,7 @@ import warnings
 
 import torch
 
-from . import Bucket, compiled, foreach, uses_triton
+from . import Bucket, compiled, foreach, took, uses_triton
 
 # torch 2.13's fused CPU SGD is wrong for fp16/bf16 (0.26 off its own single-tensor SGD after 3 steps),
 # so low-precision buckets take our own paths
@@ -42,6 +42,7 @@ def run(rule, bucket: Bucket, group: dict, step: int, scalars: tuple, flags: tup
         skip = set(strided)
         dense = bucket if not strided else _subset(bucket, [i for i in range(len(bucket.params)) if i not in skip])
         if dense.params:
+            took("torch_fused")
             # torch's kernels divide by a grad scale: hand them the reciprocal of our multiplier
             rule.torch_fused(dense.params, dense.grads, dense.states, group, step,
                              grad_scale=None if grad_mul is None else grad_mul.reciprocal())
@@ -62,6 +63,7 @@ def run(rule, bucket: Bucket, group: dict, step: int, scalars: tuple, flags: tup
 def _run_triton(rule, bucket: Bucket, group, step, scalars, flags, grad_mul, found_inf) -> None:
     from . import triton_kernels
 
+    took("triton")
     table = bucket.cache.get("triton_table")
     if table is None:
         table = bucket.cache["triton_table"] = triton_kernels.TensorTable()

@@ -6,7 +6,7 @@ from typing import Callable, Sequence
 
 from torch import Tensor
 
-from . import Bucket, scaled_grads
+from . import Bucket, scaled_grads, took
 from .blocking import BLOCK_NUMEL, _pieces
 
 
@@ -25,4 +25,5 @@ def apply(update: Callable, params: list[Tensor], grads: list[Tensor], states: S
 
 
 def run(rule, bucket: Bucket, group: dict, step: int, scalars: tuple, flags: tuple, grad_mul=None) -> None:
+    took("loop")
     apply(rule.update, bucket.params, scaled_grads(bucket.grads, grad_mul), bucket.states, scalars, flags)
