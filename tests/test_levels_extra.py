@@ -152,13 +152,13 @@ def test_flat_state_dict_round_trips_with_torch(level):
     again = OPTIMIZERS["adam"].cls(flat_p, flat=True, impl=level, lr=1e-2, amsgrad=True)
     again.load_state_dict(ref.state_dict())
     bucket = again._flat_buckets[0][0]
-    for i, p in enumerate(flat_p):  # loaded state lives in the flat buffers again
-        assert again.state[p]["exp_avg"].data_ptr() == bucket.views(bucket.state_buffers["exp_avg"])[i].data_ptr()
     for step in range(4, 7):
         set_grads(step, [torch_p, flat_p], none_every=10 ** 9)
         ref.step()
         again.step()
     assert_params_close(flat_p, torch_p)
+    for i, p in enumerate(flat_p):  # loaded state lives in the flat buffers again once the step ran
+        assert again.state[p]["exp_avg"].data_ptr() == bucket.views(bucket.state_buffers["exp_avg"])[i].data_ptr()
 
 
 def test_flat_mode_refuses_complex_params():

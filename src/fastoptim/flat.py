@@ -27,7 +27,6 @@ class FlatBucket:
         total = sum(self.numels)
         self.param_buffer = torch.empty(total, dtype=p0.dtype, device=p0.device)
         self.grad_buffer = torch.zeros(total, dtype=p0.dtype, device=p0.device)
-        self.state_buffers: dict[str, Tensor] = {}
         param_views, grad_views = self.views(self.param_buffer), self.views(self.grad_buffer)
         for p, pv, gv in zip(params, param_views, grad_views):
             pv.copy_(p.detach())
@@ -36,19 +35,29 @@ class FlatBucket:
             p.data = pv
             p.grad = gv
         self.grad_views = grad_views
-        # the step count every param of the bucket shares; None when a loaded checkpoint disagrees
-        self.step: int | None = 0
-        self.param_states: list[dict] = []  # the params' state dicts, refreshed when state is (re)loaded
+        self.state_buffers: dict[str, Tensor] = {}
+        self._state_views: dict[str, list[Tensor]] = {}
+
+    @property
+    def device(self) -> torch.device:
+        return self.param_buffer.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.param_buffer.dtype
 
     def views(self, buffer: Tensor) -> list[Tensor]:
         return [v.view(p.shape) for v, p in zip(buffer.split(self.numels), self.params)]
 
-    def state_buffer(self, name: str, fill: float) -> tuple[Tensor, list[Tensor]]:
-        """The flat buffer of one state (made on first use) and its per-param views."""
-        buffer = self.state_buffers.get(name)
-        if buffer is None:
-            buffer = self.state_buffers[name] = torch.full_like(self.param_buffer, fill)
-        return buffer, self.views(buffer)
+    def state_views(self, name: str) -> list[Tensor]:
+        """The per-param views of one state's flat buffer (made on first use; the step plan fills a view
+        before a param's state uses it). The same view objects every call: the plan tells by identity
+        whether a param's state still is its view."""
+        views = self._state_views.get(name)
+        if views is None:
+            buffer = self.state_buffers[name] = torch.zeros_like(self.param_buffer)
+            views = self._state_views[name] = self.views(buffer)
+        return views
 
     def rehome(self) -> None:
         """Make the params views of the buffer again (a deep copy clones each Parameter on its own)."""
@@ -58,6 +67,8 @@ class FlatBucket:
                 p.data = view
         if any(v.data_ptr() != w.data_ptr() for v, w in zip(self.grad_views, self.views(self.grad_buffer))):
             self.grad_views = self.views(self.grad_buffer)
+        for name, buffer in self.state_buffers.items():
+            self._state_views[name] = self.views(buffer)
         self.repair_grads()
 
     def repair_grads(self) -> None:

@@ -20,14 +20,13 @@ back at the next step if the flag was set; other levels read the flag first.
 from __future__ import annotations
 
 import copy
-import operator
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
 import torch
 from torch import Tensor
 
-from . import clip, levels
+from . import clip, levels, plan
 from .flat import FlatBucket
 from .levels import Bucket, is_dtensor
 from .rules import Rule
@@ -38,8 +37,7 @@ class _Amp:
     """What this step multiplies the grads by, and GradScaler's found_inf when the kernels skip by themselves."""
     grad_mul: Tensor | None
     found_inf: Tensor | None
-    stepped: list[dict] = field(default_factory=list)  # state dicts whose step was counted optimistically
-    buckets: list[FlatBucket] = field(default_factory=list)
+    taken: list = field(default_factory=list)  # what plan.take_back needs if the kernels skipped the step
 
     def pending(self) -> tuple:
         """The flag copied to host memory without waiting, and an event that says when it is there."""
@@ -48,24 +46,8 @@ class _Amp:
             flag.copy_(self.found_inf, non_blocking=True)
             done = torch.cuda.Event()
             done.record()
-            return flag, done, self.stepped, self.buckets
-        return self.found_inf.clone(), None, self.stepped, self.buckets
-
-
-@dataclass
-class _Plan:
-    """A group's single bucket from the last step, kept so an unchanged next step skips the per-param loop."""
-    params: list[Tensor]
-    active: tuple
-    key: tuple                       # (device, dtype)
-    states: list                     # per rule.state_names: the bucket's state tensors, None where inactive
-    step_states: list[dict]          # the state dicts whose "step" counts (empty for SGD and Lion)
-    step: int
-
-    def fits(self, params: list[Tensor], active: tuple) -> bool:
-        return (active == self.active and len(params) == len(self.params)
-                and all(map(operator.is_, params, self.params))
-                and all(st.get("step") == self.step for st in self.step_states[:1]))
+            return flag, done, self.taken
+        return self.found_inf.clone(), None, self.taken
 
 
 class FastOptimizer(torch.optim.Optimizer):
@@ -82,9 +64,8 @@ class FastOptimizer(torch.optim.Optimizer):
         self.max_grad_norm = max_grad_norm
         self.last_grad_norm: Tensor | None = None  # the global grad norm of the last step, with max_grad_norm
         self._flat_buckets: list[list[FlatBucket]] = []  # per param group, in flat mode
-        self._bucket_caches: dict[tuple, dict] = {}
-        self._pending_skips: list[tuple] = []  # (found_inf flag, event, stepped states, flat buckets)
-        self._plans: dict[int, _Plan] = {}  # per group: last step's bucket, reused while nothing changed
+        self._pending_skips: list[tuple] = []  # (found_inf flag, event, what a skip takes back)
+        self._plans: dict[int, plan.Plan] = {}  # per group: the last step's buckets, reused while nothing changed
         defaults = dict(self.rule.defaults)
         unknown = set(hyper) - set(defaults)
         if unknown:
@@ -93,6 +74,28 @@ class FastOptimizer(torch.optim.Optimizer):
         defaults.update(hyper)
         self.rule.validate(defaults)
         super().__init__(params, defaults)
+
+    # --- state: torch's mapping, counting its changes so the step plan never outlives it ---------------
+
+    @property
+    def state(self) -> plan.StateMap:
+        """Per-param state, as in torch.optim. Under GradScaler on the fused GPU path a step's inf check is
+        read one step late; reading ``state`` while one is pending waits for it, so the counts read here
+        are always right."""
+        if self.__dict__.get("_pending_skips"):
+            self._resolve_skips()
+        return self._state
+
+    @state.setter
+    def state(self, value) -> None:
+        if self.__dict__.get("_pending_skips"):
+            self._resolve_skips()
+        self._state = plan.as_state_map(value)
+
+    @property
+    def _bucket_caches(self) -> dict[tuple, dict]:
+        """The levels' per-bucket caches of the current plans, by (group index, bucket index): for tests."""
+        return {(i, b): bucket.cache for i, p in self._plans.items() for b, bucket in enumerate(p.buckets)}
 
     # --- param groups ---------------------------------------------------------------------------
 
@@ -107,16 +110,13 @@ class FastOptimizer(torch.optim.Optimizer):
             by_key: dict[tuple, list[Tensor]] = {}
             for p in group["params"]:
                 by_key.setdefault((p.device, p.dtype), []).append(p)
-            buckets = [FlatBucket(ps) for ps in by_key.values()]
-            self._flat_buckets.append(buckets)
-            for bucket in buckets:
-                self._sync_flat_state(bucket, group)
-        elif self.rule.eager_state:
+            self._flat_buckets.append([FlatBucket(ps) for ps in by_key.values()])
+        if self.rule.eager_state:
             for p in group["params"]:
                 self._init_state(p, group)
 
     def _init_state(self, p: Tensor, group: dict) -> dict:
-        state = self.state[p]
+        state = self._state[p]
         if not state:
             if self.rule.exports_step:
                 state["step"] = 0
@@ -131,32 +131,6 @@ class FastOptimizer(torch.optim.Optimizer):
             value = complex(value, value)
         return torch.full_like(p, value, memory_format=torch.preserve_format)
 
-    def _sync_flat_state(self, bucket: FlatBucket, group: dict, force: bool = False) -> None:
-        """Every param's state as views of the bucket's state buffers; values already there are kept."""
-        rule = self.rule
-        names = [n for n, needed in zip(rule.state_names, rule.active(group)) if needed]
-        if not force and all(n in bucket.state_buffers for n in names):
-            return
-        states = bucket.param_states = [self.state[p] for p in bucket.params]
-        had_state = [any(n in st for n in rule.state_names) for st in states]
-        for name in set(names) | {n for st in states for n in st if n in rule.state_names}:
-            fill = rule.initial_value(name, group)
-            _, views = bucket.state_buffer(name, fill)
-            for st, view in zip(states, views):
-                value = st.get(name)
-                if value is None:
-                    view.fill_(fill)  # (re)loaded without this state: it starts afresh
-                elif value is not view:
-                    view.copy_(value)
-                st[name] = view
-        if rule.exports_step:
-            steps = {st.setdefault("step", 0) for st in states}
-        elif force:  # no counter in torch's state: a loaded buffer means past the first step
-            steps = {1 if had else 0 for had in had_state}
-        else:
-            steps = {bucket.step}
-        bucket.step = steps.pop() if len(steps) == 1 else None
-
     # --- the step -------------------------------------------------------------------------------
 
     @torch.no_grad()
@@ -165,24 +139,59 @@ class FastOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._resolve_skips()
         work = [self._collect(group) for group in self.param_groups]  # validates; mutates nothing
         for buckets in self._flat_buckets:  # grads a user replaced go back into the flat buffers first
             for bucket in buckets:
                 bucket.repair_grads()
-        self._resolve_skips()
+        plans = [self._plan(index, group, params) for index, (group, params, _) in enumerate(work)]
         found_inf = getattr(self, "found_inf", None)
         in_kernel = found_inf is not None and levels.skips_in_kernel(self.impl, found_inf.device)
         if found_inf is not None and not in_kernel and found_inf.item() != 0:
             return loss  # GradScaler saw inf/NaN grads: this step changes nothing
         amp = _Amp(self._grad_mul(work), found_inf if in_kernel else None)
-        for index, (group, params, grads) in enumerate(work):
-            if self.flat:
-                self._step_flat(index, group, amp)
-            elif params:
-                self._step_group(index, group, params, grads, amp)
+        for index, (step_plan, (group, _, grads)) in enumerate(zip(plans, work)):
+            if step_plan is not None:
+                self._run_plan(index, step_plan, group, grads, amp)
         if in_kernel:
             self._pending_skips.append(amp.pending())
         return loss
+
+    def _plan(self, index: int, group: dict, params: list[Tensor]) -> plan.Plan | None:
+        """Last step's plan when nothing it was built from changed, else a new one (validated, not yet
+        committed: nothing has changed if the step stops here)."""
+        if not params:
+            return None
+        cached = self._plans.get(index)
+        if cached is not None and cached.fits(params, self.rule.active(group), self._state):
+            return cached
+        return plan.build(self.rule, group, params, self._state, self._new_state, self._param_index,
+                          self._flat_buckets[index] if self.flat else None)
+
+    def _run_plan(self, index: int, step_plan: plan.Plan, group: dict, grads: list[Tensor] | None,
+                  amp: "_Amp") -> None:
+        if step_plan.pending or self._plans.get(index) is not step_plan:
+            step_plan.commit()
+            old = self._plans.get(index)
+            if old is not None:  # the level's caches (tensor tables) carry over to an unchanged bucket
+                caches = {(b.key, tuple(map(id, b.params))): b.cache for b in old.buckets}
+                for b in step_plan.buckets:
+                    b.cache = caches.get((b.key, tuple(map(id, b.params))), b.cache)
+            if step_plan.reusable:
+                self._plans[index] = step_plan
+            else:
+                self._plans.pop(index, None)
+        taken = step_plan.advance(self.rule.exports_step)
+        if amp.found_inf is not None:
+            amp.taken.extend(taken)
+        rule, run = self.rule, None
+        flags = rule.flags(group)
+        extra = {} if amp.found_inf is None else {"found_inf": amp.found_inf}
+        for bucket in step_plan.buckets:
+            level_bucket = Bucket(bucket.params, bucket.grads(grads), bucket.states, bucket.cache)
+            run = run or levels.level(self.impl, level_bucket.device)
+            run(rule, level_bucket, group, bucket.step, rule.scalars(group, bucket.step), flags, amp.grad_mul,
+                **extra)
 
     def _grad_mul(self, work: list) -> Tensor | None:
         """What the update multiplies the grads by: GradScaler's 1/scale (as GradScaler.unscale_ computes it),
@@ -207,21 +216,19 @@ class FastOptimizer(torch.optim.Optimizer):
     def _resolve_skips(self) -> None:
         """Steps the kernels skipped (found_inf) were counted optimistically; take them back now, reading
         the flag a step later, when the kernel that set it has long finished."""
-        for flag, done, stepped, buckets in self._pending_skips:
+        pending, self._pending_skips = self._pending_skips, []
+        for flag, done, taken in pending:
             if done is not None:
                 done.synchronize()
             if flag.item() != 0:
-                for state in stepped:
-                    state["step"] -= 1
-                for bucket in buckets:
-                    bucket.step -= 1
-        self._pending_skips.clear()
+                plan.take_back(self._state, taken, self.rule.exports_step)
 
-    def _collect(self, group: dict) -> tuple[dict, list[Tensor], list[Tensor]]:
+    def _collect(self, group: dict) -> tuple[dict, list[Tensor], list[Tensor] | None]:
+        """The params that step and their grads; flat mode: every param (grads are views, never None)."""
         self.rule.validate(group)
-        params, grads = [], []
         if self.flat:
-            return group, params, grads
+            return group, group["params"], None
+        params, grads = [], []
         for p in group["params"]:
             g = p.grad
             if g is None:
@@ -233,97 +240,6 @@ class FastOptimizer(torch.optim.Optimizer):
             grads.append(g)
         return group, params, grads
 
-    def _run(self, key: tuple, group: dict, step: int, params, grads, states, amp: "_Amp") -> None:
-        bucket = Bucket(params, grads, states, self._bucket_caches.setdefault(key, {}))
-        run = levels.level(self.impl, bucket.device)
-        extra = {} if amp.found_inf is None else {"found_inf": amp.found_inf}
-        run(self.rule, bucket, group, step, self.rule.scalars(group, step), self.rule.flags(group), amp.grad_mul,
-            **extra)
-
-    def _step_flat(self, index: int, group: dict, amp: "_Amp") -> None:
-        rule = self.rule
-        for b, bucket in enumerate(self._flat_buckets[index]):
-            self._sync_flat_state(bucket, group)
-            if bucket.step is None:  # params at different step counts (a loaded checkpoint): per param
-                self._step_group(index, group, bucket.params, [p.grad for p in bucket.params], amp)
-                continue
-            bucket.step = step = bucket.step + 1
-            if rule.exports_step:
-                for state in bucket.param_states:
-                    state["step"] = step
-            if amp.found_inf is not None:
-                amp.buckets.append(bucket)
-                amp.stepped.extend(bucket.param_states if rule.exports_step else ())
-            states = [[bucket.state_buffers[n]] if needed else None
-                      for n, needed in zip(rule.state_names, rule.active(group))]
-            self._run((index, "flat", b), group, step, [bucket.param_buffer], [bucket.grad_buffer], states, amp)
-
-    def _step_group(self, index: int, group: dict, params: list[Tensor], grads: list[Tensor], amp: "_Amp") -> None:
-        rule = self.rule
-        active = rule.active(group)
-        plan = self._plans.get(index)
-        if plan is not None and plan.fits(params, active):
-            return self._step_planned(index, group, plan, grads, amp)
-        names = [n for n, needed in zip(rule.state_names, active) if needed]
-        counts_steps = rule.exports_step
-        plain = True  # every param a plain real tensor: the bucket can be planned for the next step
-        buckets: dict[tuple, tuple[list, list, list]] = {}
-        for p, g in zip(params, grads):
-            state = self.state[p]
-            fresh = not state
-            if fresh:
-                state = self._init_state(p, group)
-            try:
-                tensors = [state[n] for n in names]
-            except KeyError:  # a flag turned on mid-run (momentum 0 -> 0.9) needs a state it lacked
-                self._add_missing_state(p, state, group, names)
-                tensors = [state[n] for n in names]
-                fresh = True
-            if counts_steps:
-                state["step"] = step = state["step"] + 1
-                if amp.found_inf is not None:
-                    amp.stepped.append(state)
-            else:  # torch keeps no counter here (SGD, Lion): the rule only tells a first step from later ones
-                step = 1 if fresh else 2
-            if is_dtensor(p):  # FSDP2 / tensor parallel: the update is elementwise, so each rank's shard
-                p, g = p.to_local(), g.to_local()
-                tensors = [t.to_local() for t in tensors]
-                plain = False
-            if p.is_complex():  # elementwise on the real view, as torch.optim does
-                p, g = torch.view_as_real(p), torch.view_as_real(g)
-                tensors = [torch.view_as_real(t) for t in tensors]
-                plain = False
-            key = (p.device, p.dtype, step)
-            bucket = buckets.get(key)
-            if bucket is None:
-                bucket = buckets[key] = ([], [], [[] for _ in names])
-            bucket[0].append(p)
-            bucket[1].append(g)
-            for lst, t in zip(bucket[2], tensors):
-                lst.append(t)
-        for (device, dtype, step), (ps, gs, ss) in buckets.items():
-            it = iter(ss)
-            states = [next(it) if needed else None for needed in active]
-            self._run((index, device, dtype), group, step, ps, gs, states, amp)
-        if plain and len(buckets) == 1:  # the usual case: the next step can skip the per-param work
-            (device, dtype, step), (ps, _, ss) = next(iter(buckets.items()))
-            it = iter(ss)
-            self._plans[index] = _Plan(list(params), active, (device, dtype),
-                                       [next(it) if needed else None for needed in active],
-                                       [self.state[p] for p in params] if counts_steps else [],
-                                       step if counts_steps else 2)
-        else:
-            self._plans.pop(index, None)
-
-    def _step_planned(self, index: int, group: dict, plan: "_Plan", grads: list[Tensor], amp: "_Amp") -> None:
-        """Same params, same flags as the last step, all at one step count: only the counters move."""
-        plan.step = step = plan.step + 1 if plan.step_states else 2
-        for state in plan.step_states:
-            state["step"] = step
-        if amp.found_inf is not None:
-            amp.stepped.extend(plan.step_states)
-        self._run((index, *plan.key), group, step, plan.params, grads, plan.states, amp)
-
     def zero_grad(self, set_to_none: bool = True) -> None:
         """In flat mode grads are views of one buffer per bucket: zeroed with one memset, never set to None."""
         if not self.flat:
@@ -332,11 +248,6 @@ class FastOptimizer(torch.optim.Optimizer):
             for bucket in buckets:
                 bucket.grad_buffer.zero_()
                 bucket.repair_grads()
-
-    def _add_missing_state(self, p: Tensor, state: dict, group: dict, names: list[str]) -> None:
-        for name in names:
-            if name not in state:
-                state[name] = self._new_state(p, name, group)
 
     def _param_index(self, param: Tensor) -> int:
         index = 0
@@ -381,27 +292,27 @@ class FastOptimizer(torch.optim.Optimizer):
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__["_pending_skips"] = []  # they speak of the state being replaced
         super().__setstate__(state)
+        if "state" in self.__dict__:  # torch writes the loaded state straight into __dict__
+            self.state = self.__dict__.pop("state")
         # unpickled or deep-copied objects come without the step-to-step caches: start them afresh
         self.__dict__.setdefault("impl", "auto")
         self.__dict__.setdefault("flat", False)
         self.__dict__.setdefault("max_grad_norm", None)
         self.__dict__.setdefault("_flat_buckets", [])
         self.__dict__.setdefault("last_grad_norm", None)
-        self._bucket_caches, self._plans, self._pending_skips = {}, {}, []
+        self._plans = {}
         for buckets in self._flat_buckets:
             for bucket in buckets:
                 bucket.rehome()
         for group in self.param_groups:
             for k, v in self.defaults.items():
                 group.setdefault(k, v)
-        for s in self.state.values():
+        for s in self._state.values():  # counters are host ints (torch's checkpoints hold 0-d tensors)
             step = s.get("step")
             if isinstance(step, Tensor):
-                s["step"] = int(step.item())
-        for group, buckets in zip(self.param_groups, self._flat_buckets):
-            for bucket in buckets:
-                self._sync_flat_state(bucket, group, force=True)
+                plan.quiet_set(s, "step", int(step.item()))
 
     def _check_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Everything torch.optim would only find halfway through loading, found before anything changes."""

@@ -1,0 +1,384 @@
+"""The step plan: which params step together, on which state tensors, at which step count.
+
+A step hands each *bucket* (params of one device, dtype and step count) to a level. Working the buckets
+out costs Python work per param, so a group's plan is kept from one step to the next and reused while
+nothing it was built from has changed. This module owns that cache and the step counters.
+
+What a plan caches (one per param group):
+  * the params that had a grad, in the order the group lists them, and their buckets;
+  * per bucket: the params' state dicts and state tensors (in flat mode, the flat buffers that every
+    param's state is a view of), its step count, and the level's own cache (the fused level's table);
+  * the state mapping it was built from, and that mapping's ``version``.
+
+What makes it stale, checked at every step before anything runs:
+  * another list of params with grads (compared by identity), or another set of active states;
+  * ``optimizer.state`` replaced by another mapping;
+  * any change made through the mapping or a per-param dict: a cleared or deleted state, a state tensor
+    added, removed or replaced, a step count written. ``StateMap`` and its ``StateDict`` values count
+    every such change in ``StateMap.version``; only the step's own bookkeeping writes past the count;
+  * a step the kernels skipped by themselves (GradScaler found inf), when it is taken back;
+  * sharded (DTensor) or complex params: their local or real views are made anew every step, so such a
+    group is planned afresh every step.
+Never cached: grads (new tensors every step), hyper-parameters (read every step), tensor contents.
+
+Step counters. For the rules torch keeps a counter for (``rule.exports_step``) the count is the
+``"step"`` entry of the param's state dict, a Python int (no tensor ops, no syncs); ``state_dict()``
+writes it as torch does. For SGD and Lion torch keeps none: as in torch, a param whose state lacks the
+rule's tensors is at its first step.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .flat import FlatBucket
+from .levels import is_dtensor
+
+
+# --- optimizer.state that counts its changes --------------------------------------------------------------
+
+class StateDict(dict):
+    """One param's state. Every change made through it counts in its mapping's ``version``."""
+
+    __slots__ = ("_owner",)
+
+    def __init__(self, owner: "StateMap", *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._owner = owner
+
+    def _changed(self) -> None:
+        self._owner.version += 1
+
+    def __setitem__(self, key, value):
+        self._changed()
+        super().__setitem__(key, value)
+
+    def __delitem__(self, key):
+        self._changed()
+        super().__delitem__(key)
+
+    def __ior__(self, other):
+        self._changed()
+        return super().__ior__(other)
+
+    def clear(self):
+        self._changed()
+        super().clear()
+
+    def pop(self, *args):
+        self._changed()
+        return super().pop(*args)
+
+    def popitem(self):
+        self._changed()
+        return super().popitem()
+
+    def setdefault(self, key, default=None):
+        if key not in self:
+            self._changed()
+        return super().setdefault(key, default)
+
+    def update(self, *args, **kwargs):
+        self._changed()
+        super().update(*args, **kwargs)
+
+    def __reduce__(self):  # pickles (torch.save, deepcopy) as a plain dict
+        return dict, (dict(self),)
+
+
+class StateMap(defaultdict):
+    """``optimizer.state``: a ``defaultdict(dict)`` whose values are ``StateDict``s, counting changes."""
+
+    def __init__(self, items: Any = ()):
+        super().__init__(None)
+        self.version = 0
+        for key, value in dict(items).items():
+            dict.__setitem__(self, key, self._adopt(value))
+
+    def _adopt(self, value: Any) -> Any:
+        if isinstance(value, StateDict) and value._owner is self:
+            return value
+        return StateDict(self, value) if isinstance(value, dict) else value
+
+    def __missing__(self, key):
+        value = StateDict(self)
+        self.version += 1
+        dict.__setitem__(self, key, value)
+        return value
+
+    def __setitem__(self, key, value):
+        self.version += 1
+        dict.__setitem__(self, key, self._adopt(value))
+
+    def __delitem__(self, key):
+        self.version += 1
+        dict.__delitem__(self, key)
+
+    def __ior__(self, other):
+        self.update(other)
+        return self
+
+    def clear(self):
+        self.version += 1
+        dict.clear(self)
+
+    def pop(self, *args):
+        self.version += 1
+        return dict.pop(self, *args)
+
+    def popitem(self):
+        self.version += 1
+        return dict.popitem(self)
+
+    def setdefault(self, key, default=None):
+        if key not in self:
+            self[key] = {} if default is None else default
+        return self[key]
+
+    def update(self, *args, **kwargs):
+        for key, value in dict(*args, **kwargs).items():
+            self[key] = value
+
+    def copy(self):
+        return StateMap(self)
+
+    def __reduce__(self):  # pickles as torch's own defaultdict(dict) of plain dicts
+        return defaultdict, (dict,), None, None, iter((k, dict(v) if isinstance(v, dict) else v)
+                                                      for k, v in self.items())
+
+    def __repr__(self):
+        return f"StateMap({dict.__repr__(self)})"
+
+    def fresh_dict(self, key) -> StateDict:
+        """A new, empty state for ``key``, put in place without counting (the plan's own bookkeeping)."""
+        value = StateDict(self)
+        dict.__setitem__(self, key, value)
+        return value
+
+
+def as_state_map(state: Any) -> StateMap:
+    return state if isinstance(state, StateMap) else StateMap(state)
+
+
+def quiet_set(state: dict, key: str, value: Any) -> None:
+    """A write that the plan makes itself and already accounts for: not counted as a change."""
+    dict.__setitem__(state, key, value)
+
+
+# --- plans ------------------------------------------------------------------------------------------------
+
+@dataclass
+class PlanBucket:
+    key: tuple                         # (device, dtype)
+    step: int                          # the count its params are at before the next step
+    params: list[Tensor]               # what the level runs on (a flat buffer, local or real views)
+    states: list[list[Tensor] | None]  # per rule.state_names, None where inactive
+    owners: list[Tensor]               # the user's params whose state this bucket steps
+    positions: list[int] | None        # where its params sit among the group's params with grads; None: all
+    flat: FlatBucket | None = None     # the bucket is one flat buffer per tensor role
+    convert: bool = False              # grads need the same view as params (DTensor local, complex real)
+    dicts: list = field(default_factory=list)  # the owners' state dicts (None: no state), set at commit
+    cache: dict = field(default_factory=dict)  # the level's own (the fused level's tensor table)
+
+    def grads(self, group_grads: list[Tensor]) -> list[Tensor]:
+        if self.flat is not None:
+            return [self.flat.grad_buffer]
+        grads = group_grads if self.positions is None else [group_grads[i] for i in self.positions]
+        return [_local_real(g) for g in grads] if self.convert else grads
+
+
+@dataclass
+class Plan:
+    """One param group's buckets, and what they were built from."""
+    params: list[Tensor]
+    active: tuple
+    state_map: StateMap
+    version: int
+    buckets: list[PlanBucket] = field(default_factory=list)
+    reusable: bool = True
+    created: dict[int, tuple] = field(default_factory=dict)  # id(param) -> the state entries the step makes
+    pending: list[tuple] = field(default_factory=list)       # (param, name, tensor, fill) put in at commit
+
+    def fits(self, params: list[Tensor], active: tuple, state_map: StateMap) -> bool:
+        return (self.reusable and state_map is self.state_map and state_map.version == self.version
+                and active == self.active and len(params) == len(self.params)
+                and all(map(operator.is_, params, self.params)))
+
+    def commit(self) -> None:
+        """Put the built states in place (building changed nothing, so a failed or skipped step leaves
+        everything as it was), then remember the mapping's version."""
+        state_map = self.state_map
+        for p, name, value, fill in self.pending:
+            state = state_map.get(p)
+            if state is None:
+                state = state_map.fresh_dict(p)
+            if isinstance(fill, Tensor):
+                value.copy_(fill)
+            elif fill is not None:
+                value.fill_(fill)
+            quiet_set(state, name, value)
+        self.pending.clear()
+        for bucket in self.buckets:
+            bucket.dicts = list(map(state_map.get, bucket.owners))
+        self.version = state_map.version
+
+    def advance(self, exports_step: bool) -> list[tuple]:
+        """Count one step for every bucket; returns what ``take_back`` needs if the kernels skip it."""
+        taken = []
+        created, self.created = self.created, {}
+        for bucket in self.buckets:
+            bucket.step = step = bucket.step + 1
+            if exports_step:
+                for state in bucket.dicts:
+                    quiet_set(state, "step", step)
+            taken.append([(p, d, created.get(id(p), ())) for p, d in zip(bucket.owners, bucket.dicts)])
+        return taken
+
+
+def take_back(state_map: StateMap, taken: list, exports_step: bool) -> None:
+    """A step the kernels skipped: counters go back one; the states the step created go away, as if it
+    never ran (torch.optim has no state for a param before its first step)."""
+    for entries in taken:
+        for p, state, created in entries:
+            if state is None:
+                continue
+            for name in created:
+                state.pop(name, None)
+            if exports_step and "step" not in created:
+                state["step"] = state["step"] - 1
+            if not state and state_map.get(p) is state:
+                del state_map[p]
+
+
+def _local_real(t: Tensor) -> Tensor:
+    if is_dtensor(t):
+        t = t.to_local()
+    if t.is_complex():
+        t = torch.view_as_real(t)
+    return t
+
+
+def _count(state: dict | None, exports_step: bool) -> int:
+    """The step count a param is at: its ``"step"`` (0 without one) where torch keeps a counter; else 1 for a
+    param with state (past its first step) and 0 for one without."""
+    if not exports_step:
+        return 0 if not state else 1
+    step = 0 if state is None else state.get("step", 0)
+    if isinstance(step, Tensor):
+        step = step.item()
+    if isinstance(step, bool) or not isinstance(step, (int, float)) or not float(step).is_integer() or step < 0:
+        raise ValueError(f"state 'step' must be a whole number >= 0, got {step!r}")
+    return int(step)
+
+
+def _check_state_tensor(value: Any, p: Tensor, name: str, index: int) -> None:
+    """A state tensor the level can run on: the param's shape, dtype and device."""
+    if not isinstance(value, Tensor):
+        raise TypeError(f"state {name!r} of param {index} must be a tensor, got {type(value).__name__}")
+    if value.shape != p.shape or value.dtype != p.dtype or value.device != p.device:
+        raise ValueError(f"state {name!r} of param {index} has shape {tuple(value.shape)}, dtype {value.dtype}, "
+                         f"device {value.device}; the param has shape {tuple(p.shape)}, dtype {p.dtype}, "
+                         f"device {p.device}")
+
+
+def _param_states(plan: Plan, p: Tensor, state: dict | None, names: list[str], exports_step: bool,
+                  make, param_index) -> tuple[list[Tensor], int]:
+    """One param's state tensors for this step and its count; missing ones are made (``make(name)`` gives
+    the tensor and its fill) and wait in ``plan.pending``, as does a first ``step`` entry."""
+    tensors, created = [], []
+    for name in names:
+        value = None if state is None else state.get(name)
+        target, fill = make(name, value)
+        if value is None:
+            created.append(name)
+            plan.pending.append((p, name, target, fill))
+        else:
+            _check_state_tensor(value, p, name, param_index(p))
+            if target is not value:  # flat mode: copied into its view
+                plan.pending.append((p, name, target, value))
+        tensors.append(target)
+    count = 0 if created and not exports_step else _count(state, exports_step)
+    if exports_step and (state is None or "step" not in state):
+        plan.pending.append((p, "step", 0, None))
+        created.append("step")
+    if created:
+        plan.created[id(p)] = tuple(created)
+    return tensors, count
+
+
+def build(rule, group: dict, params: list[Tensor], state_map: StateMap, new_state, param_index,
+          flat_buckets: list[FlatBucket] | None) -> Plan:
+    """Work out the buckets of one group from scratch. Validates every state it will use and changes
+    nothing: new states and copies into flat buffers wait in ``plan.pending`` until ``commit``.
+
+    ``new_state(p, name, group)`` makes a state tensor at its initial value; ``param_index(p)`` numbers
+    params in error messages. In flat mode ``params`` are all the group's params, in order.
+    """
+    active = rule.active(group)
+    names = [n for n, on in zip(rule.state_names, active) if on]
+    plan = Plan(list(params), active, state_map, state_map.version)
+    if flat_buckets is not None:
+        positions = {id(p): i for i, p in enumerate(params)}
+        for fb in flat_buckets:
+            _build_flat(plan, rule, group, fb, names, positions, param_index)
+        return plan
+    buckets: dict[tuple, PlanBucket] = {}
+    for position, p in enumerate(params):
+        def make(name, value, p=p):
+            return (new_state(p, name, group) if value is None else value), None
+        tensors, count = _param_states(plan, p, state_map.get(p), names, rule.exports_step, make, param_index)
+        owner = p
+        convert = is_dtensor(p) or p.is_complex()
+        if convert:  # views made anew every step: such a group is planned afresh every step
+            plan.reusable = False
+            p, tensors = _local_real(p), [_local_real(t) for t in tensors]
+        key = (p.device, p.dtype, count)
+        bucket = buckets.get(key)
+        if bucket is None:
+            bucket = buckets[key] = PlanBucket(key[:2], count, [], [[] if on else None for on in active], [], [],
+                                               convert=convert)
+        bucket.params.append(p)
+        bucket.owners.append(owner)
+        bucket.positions.append(position)
+        it = iter(tensors)
+        for lst in bucket.states:
+            if lst is not None:
+                lst.append(next(it))
+    plan.buckets = list(buckets.values())
+    if len(plan.buckets) == 1:
+        plan.buckets[0].positions = None
+    return plan
+
+
+def _build_flat(plan: Plan, rule, group: dict, fb: FlatBucket, names: list[str], positions: dict,
+                param_index) -> None:
+    """Flat mode: every state is a view of the bucket's buffer. A missing state starts at its initial
+    value in its view; one the user replaced (or a checkpoint loaded) is copied into its view."""
+    views = {name: fb.state_views(name) for name in names}
+    fills = {name: rule.initial_value(name, group) for name in names}
+    counts = []
+    for i, p in enumerate(fb.params):
+        def make(name, value, i=i):
+            return views[name][i], (fills[name] if value is None else None)
+        _, count = _param_states(plan, p, plan.state_map.get(p), names, rule.exports_step, make, param_index)
+        counts.append(count)
+    if len(set(counts)) == 1:  # the usual case: one pass over each flat buffer
+        states = [[fb.state_buffers[n]] if n in views else None for n in rule.state_names]
+        plan.buckets.append(PlanBucket((fb.device, fb.dtype), counts[0], [fb.param_buffer], states,
+                                       list(fb.params), None, flat=fb))
+        return
+    # params at different counts (a reset state, a partial checkpoint): per param, on the views
+    by_count: dict[int, list[int]] = {}
+    for i, c in enumerate(counts):
+        by_count.setdefault(c, []).append(i)
+    for c, members in by_count.items():
+        owners = [fb.params[i] for i in members]
+        states = [[views[n][i] for i in members] if n in views else None for n in rule.state_names]
+        plan.buckets.append(PlanBucket((fb.device, fb.dtype), c, owners, states, owners,
+                                       [positions[id(p)] for p in owners]))
