@@ -146,6 +146,8 @@ class FastOptimizer(torch.optim.Optimizer):
                 bucket.repair_grads()
         plans = [self._plan(index, group, params) for index, (group, params, _) in enumerate(work)]
         found_inf = getattr(self, "found_inf", None)
+        if found_inf is not None and not isinstance(found_inf, Tensor):  # GradScaler's sum over no grads: 0
+            found_inf = torch.tensor(float(found_inf))
         in_kernel = found_inf is not None and levels.skips_in_kernel(self.impl, found_inf.device)
         if found_inf is not None and not in_kernel and found_inf.item() != 0:
             return loss  # GradScaler saw inf/NaN grads: this step changes nothing
