@@ -86,3 +86,48 @@ def test_corpus_ships_with_python():
     from fastoptim import data
     text = data.corpus_bytes()
     assert len(text) > 300_000 and b"def" in text
+
+
+def test_clock_synchronizes_cuda_devices_and_not_the_cpu(monkeypatch):
+    import torch
+
+    from fastoptim import timing
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: calls.append(device))
+    timing.synchronize(timing.devices_of([torch.zeros(1), "cuda:1", torch.device("cuda", 1), "cuda:0"]))
+    assert calls == [torch.device("cuda", 1), torch.device("cuda", 0)]  # each device once; the CPU never
+    calls.clear()
+    timing.clock([torch.zeros(1), "cpu"])()
+    assert calls == []
+    now = timing.clock(["cuda:0"])
+    assert calls == [] and now() > 0 and calls == [torch.device("cuda", 0)]
+
+
+def test_bench_times_each_step_between_device_syncs(monkeypatch):
+    """Every timed step (the first one and each in the rounds) starts and ends with a synchronized device;
+    warm-up steps are not timed."""
+    import torch
+
+    from fastoptim import timing
+    from fastoptim.bench import runner
+
+    events = []
+    monkeypatch.setitem(timing.SYNC, "cpu", lambda device: events.append("sync"))  # the CPU, made cuda-like
+    real = timing.perf_counter
+    monkeypatch.setattr(timing, "perf_counter", lambda: events.append("read") or real())
+
+    class Recorded:
+        def __init__(self, params):
+            self.opt = torch.optim.SGD(params, lr=0.1)
+            self.state = self.opt.state
+
+        def step(self):
+            events.append("step")
+            self.opt.step()
+
+    row = runner.Row("recorded", "test", "loop", Recorded)
+    runner.run_workload([(3, 2), (4,)], [row], rounds=2, steps_per_round=2, warmup=1)
+    timed = ["sync", "read", "step", "sync", "read"]
+    assert events == timed + ["step"] + timed * 4
+    assert len(row.times_ms) == 2 and row.error is None

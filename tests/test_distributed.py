@@ -1,5 +1,6 @@
 """torch.distributed with fastoptim, two processes on this CPU (gloo): FSDP2 and ZeRO-1 train exactly like one
-process, and `fastoptim train --ddp` runs under torchrun and resumes."""
+process, `fastoptim train --ddp` and `--fsdp` run under torchrun and resume bit-identically, and the README's
+distributed command runs to the end."""
 
 import json
 import os
@@ -12,8 +13,8 @@ import torch
 HERE = os.path.dirname(__file__)
 
 
-def torchrun(*args, timeout=240):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *args]
+def torchrun(*args, timeout=240, nproc=2):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=HERE)
 
@@ -35,19 +36,49 @@ def test_zero1_matches_one_process(dist_results):
     assert dist_results["zero1"] < 1e-6
 
 
-def test_train_ddp_under_torchrun_and_resume(tmp_path):
+def without_timings(log):
+    return [{k: v for k, v in e.items() if k != "tokens_per_s"} for e in log]
+
+
+def assert_same_tensors(a, b, where=""):
+    """Nested dicts / lists of tensors and plain values, equal bit for bit."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for k in a:
+            assert_same_tensors(a[k], b[k], f"{where}/{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same_tensors(x, y, f"{where}/{i}")
+    else:
+        assert a == b, where
+
+
+def test_train_ddp_under_torchrun_resumes_bit_identically(tmp_path):
     common = ["-m", "fastoptim", "train", "--ddp", "--n-layer", "1", "--n-embd", "32", "--n-head", "2",
               "--n-kv-head", "1", "--block-size", "32", "--batch-size", "4", "--steps", "8", "--warmup", "2",
               "--eval-every", "4", "--eval-batches", "1", "--save-every", "4", "--sample-tokens", "0",
-              "--no-progress", "--out-dir", str(tmp_path)]
-    first = torchrun(*common, "--stop-after", "4")
+              "--no-progress"]
+    straight = torchrun(*common, "--out-dir", str(tmp_path / "a"))
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    first = torchrun(*common, "--out-dir", str(tmp_path / "b"), "--stop-after", "4")
     assert first.returncode == 0, first.stderr[-3000:]
-    ckpt = torch.load(tmp_path / "ckpt.pt", weights_only=False)
+    ckpt = torch.load(tmp_path / "b" / "ckpt.pt", weights_only=False)
     assert ckpt["step"] == 4 and len(ckpt["data_rng"]) == 2  # each rank's data order is saved
-    second = torchrun(*common, "--resume", "--json", str(tmp_path / "s.json"))
+    second = torchrun(*common, "--out-dir", str(tmp_path / "b"), "--resume")
     assert second.returncode == 0, second.stderr[-3000:]
-    summary = json.loads((tmp_path / "s.json").read_text())
-    assert summary["steps"] == 8 and len(summary["log"]) == 8
+    a, b = (torch.load(tmp_path / r / "ckpt.pt", weights_only=False) for r in "ab")
+    assert a["step"] == b["step"] == 8 and len(b["log"]) == 8
+    assert without_timings(a["log"]) == without_timings(b["log"])  # losses, val losses and lrs, exactly
+    for key in ("model", "scheduler", "scaler", "data_rng", "torch_rng"):
+        assert_same_tensors(a[key], b[key], key)
+    assert_same_tensors(a["optimizer"]["state"], b["optimizer"]["state"], "optimizer state")
+    # loading a state dict adds differentiable=False to the groups (torch's Optimizer.__setstate__ default)
+    groups = [[{k: v for k, v in g.items() if (k, v) != ("differentiable", False)}
+               for g in ckpt["optimizer"]["param_groups"]] for ckpt in (a, b)]
+    assert_same_tensors(*groups, "optimizer param_groups")
 
 
 def test_train_fsdp2_checkpoints_through_dcp_and_resumes_exactly(tmp_path):
@@ -59,8 +90,40 @@ def test_train_fsdp2_checkpoints_through_dcp_and_resumes_exactly(tmp_path):
     assert straight.returncode == 0, straight.stderr[-3000:]
     half = torchrun(*common, "--out-dir", str(tmp_path / "b"), "--stop-after", "4")
     assert half.returncode == 0, half.stderr[-3000:]
-    assert (tmp_path / "b" / "dcp").is_dir() and not (tmp_path / "b" / "dcp.tmp").exists()
+    ckpt = torch.load(tmp_path / "b" / "ckpt.pt", weights_only=False)
+    # the DCP folder that ckpt.pt names, and no temporary folders
+    assert sorted(os.listdir(tmp_path / "b")) == sorted(["ckpt.pt", ckpt["dcp"]])
+    stale = [tmp_path / "b" / "dcp-00000006-0badc0de.tmp", tmp_path / "b" / "dcp-00000006-0badc0de",
+             tmp_path / "b" / "dcp.tmp"]  # a save killed while writing, one killed before its ckpt.pt
+    for folder in stale:
+        folder.mkdir()
+        (folder / "__0_0.distcp").write_bytes(b"\0" * 100)
     rest = torchrun(*common, "--out-dir", str(tmp_path / "b"), "--resume", "--json", str(tmp_path / "b.json"))
     assert rest.returncode == 0, rest.stderr[-3000:]
+    assert not any(folder.exists() for folder in stale)
+    ckpt = torch.load(tmp_path / "b" / "ckpt.pt", weights_only=False)
+    assert sorted(os.listdir(tmp_path / "b")) == sorted(["ckpt.pt", ckpt["dcp"]])
     losses = [[e["loss"] for e in json.loads((tmp_path / f"{r}.json").read_text())["log"]] for r in "ab"]
     assert losses[0] == losses[1] and len(losses[0]) == 8
+
+
+@pytest.mark.slow
+def test_readme_fsdp_command_runs_to_the_end_and_resumes_on_one_process(tmp_path):
+    """README: `torchrun --standalone --nproc_per_node=2 -m fastoptim train --fsdp`, defaults included (the
+    300-token sample at the end, which every rank takes part in under FSDP); only the run is shortened."""
+    readme = ["-m", "fastoptim", "train", "--fsdp"]
+    shorter = ["--steps", "4", "--batch-size", "4", "--eval-batches", "1", "--no-progress",
+               "--out-dir", str(tmp_path / "out")]
+    two = torchrun(*readme, *shorter, "--stop-after", "2", "--json", str(tmp_path / "two.json"), timeout=300)
+    assert two.returncode == 0, two.stderr[-3000:]
+    summary = json.loads((tmp_path / "two.json").read_text())
+    assert summary["steps"] == 2 and len(summary["log"]) == 2 and summary["params"] > 700_000
+    assert "--- sample ---" in two.stdout and len(summary["sample"]) >= 100
+    # one process resumes from the two ranks' DCP checkpoint (DCP reshards) and goes on to the end
+    one = torchrun(*readme, *shorter, "--resume", "--sample-tokens", "0", "--json", str(tmp_path / "one.json"),
+                   nproc=1)
+    assert one.returncode == 0, one.stderr[-3000:]
+    resumed = json.loads((tmp_path / "one.json").read_text())
+    assert resumed["steps"] == 4 and len(resumed["log"]) == 4
+    assert without_timings(resumed["log"][:2]) == without_timings(summary["log"])
+    assert all(e["loss"] == e["loss"] for e in resumed["log"])

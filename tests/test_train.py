@@ -1,5 +1,6 @@
 """`fastoptim train` at tiny sizes: it learns, it resumes bit-identically, bad input gets a clear message."""
 
+import json
 import os
 import subprocess
 import sys
@@ -9,6 +10,7 @@ import torch
 
 from fastoptim.cli import main as cli
 from fastoptim.train import GPT, GPTConfig, TrainConfig, main
+from fastoptim.train.loop import save_checkpoint
 
 
 def tiny(tmp_path, **kw) -> TrainConfig:
@@ -98,3 +100,156 @@ def test_model_options():
 def test_compiled_model_and_compiled_optimizer(tmp_path):
     summary = main(tiny(tmp_path, steps=3, compile=True, impl="compiled", sample_tokens=5))
     assert len(summary["log"]) == 3 and all(e["loss"] == e["loss"] for e in summary["log"])
+
+
+def test_train_loop_times_between_device_syncs(tmp_path, monkeypatch):
+    """On a GPU the step's clock reads wait for the device: every read of the clock in the loop follows a
+    sync, and the optimizer's share is timed from a sync after backward to a sync after the step."""
+    from fastoptim import timing
+
+    events = []
+    monkeypatch.setitem(timing.SYNC, "cpu", lambda device: events.append("sync"))  # the CPU, made cuda-like
+    real = timing.perf_counter
+    monkeypatch.setattr(timing, "perf_counter", lambda: events.append("read") or real())
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    hook = register_optimizer_step_pre_hook(lambda *args: events.append("step"))
+    try:
+        summary = main(tiny(tmp_path, steps=3, sample_tokens=0))
+    finally:
+        hook.remove()
+    assert events == ["sync", "read", "sync", "read", "step", "sync", "read"] * 3
+    assert 0 < summary["optimizer_share"] < 1
+
+
+def _record_file_ops(monkeypatch) -> list:
+    """os.fsync (with the path its fd names), os.replace and os.rename, in the order they happen."""
+    events = []
+    fsync, replace, rename = os.fsync, os.replace, os.rename
+
+    def record_fsync(fd):
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        return fsync(fd)
+
+    def record(name, real):
+        def call(src, dst, *args, **kwargs):
+            events.append((name, os.path.realpath(src), os.path.realpath(dst)))
+            return real(src, dst, *args, **kwargs)
+        return call
+
+    monkeypatch.setattr(os, "fsync", record_fsync)
+    monkeypatch.setattr(os, "replace", record("replace", replace))
+    monkeypatch.setattr(os, "rename", record("rename", rename))
+    return events
+
+
+needs_proc = pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="reads fd paths from /proc")
+
+
+@needs_proc
+def test_checkpoint_is_fsynced_before_the_rename_and_its_folder_after(tmp_path, monkeypatch):
+    events = _record_file_ops(monkeypatch)
+    folder = os.path.realpath(tmp_path)
+    path = os.path.join(folder, "ckpt.pt")
+    save_checkpoint(path, {"step": 1, "w": torch.arange(4)})
+    tmp = f"{path}.tmp.{os.getpid()}"
+    assert ("replace", tmp, path) in events
+    rename = events.index(("replace", tmp, path))
+    assert ("fsync", tmp) in events[:rename]  # the data is on the disk before the name points at it
+    assert ("fsync", folder) in events[rename:]  # and the rename itself is made durable
+    assert torch.load(path, weights_only=False)["step"] == 1
+
+
+@needs_proc
+def test_dcp_folder_is_fsynced_then_renamed_then_its_parent_fsynced(tmp_path, monkeypatch):
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    import fastoptim
+    from fastoptim.train.loop import _save_sharded
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+        fully_shard(net)
+        opt = fastoptim.AdamW(net.parameters(), lr=1e-2)
+        net(torch.randn(3, 4)).sum().backward()
+        opt.step()
+        folder = os.path.realpath(tmp_path)
+        os.makedirs(os.path.join(folder, "dcp-00000001-0badc0de.tmp"))  # a killed save's leftovers
+        events = _record_file_ops(monkeypatch)
+        name = _save_sharded(net, opt, folder, 2, master=True)
+    finally:
+        monkeypatch.undo()
+        dist.destroy_process_group()
+    final, tmp = os.path.join(folder, name), os.path.join(folder, name + ".tmp")
+    assert sorted(os.listdir(folder)) == [name]
+    renames = [i for i, e in enumerate(events) if e[0] in ("rename", "replace") and e[1] == tmp]
+    assert len(renames) == 1 and events[renames[0]][2] == final
+    before, after = events[:renames[0]], events[renames[0]:]
+    files = os.listdir(final)
+    assert files and all(("fsync", os.path.join(tmp, f)) in before for f in files)
+    assert ("fsync", tmp) in before and ("fsync", folder) in after
+
+
+def test_saves_and_resumes_remove_temp_files_of_killed_saves(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    live = out / f"ckpt.pt.tmp.{os.getppid()}"  # a process that is still running may be saving: left alone
+    live.write_bytes(b"x")
+
+    def leave_stale_files():  # what kill -9 during a save leaves (this pid: an earlier process's, reused)
+        stale = [out / f"ckpt.pt.tmp.{dead.pid}", out / f"ckpt.pt.tmp.{os.getpid()}"]
+        for f in stale:
+            f.write_bytes(b"\0" * 1000)
+        return stale
+
+    stale = leave_stale_files()
+    main(tiny(tmp_path, steps=4, stop_after=2, sample_tokens=0))
+    assert not any(f.exists() for f in stale) and live.exists()
+    stale = leave_stale_files()
+    main(tiny(tmp_path, steps=4, resume=True, sample_tokens=0))
+    assert not any(f.exists() for f in stale) and live.exists()
+    ckpt = torch.load(out / "ckpt.pt", weights_only=False)
+    assert ckpt["step"] == 4 and len(ckpt["log"]) == 4
+
+
+class _Unpicklable:
+    def __reduce__(self):
+        raise RuntimeError("cannot pickle this")
+
+
+def test_a_save_that_fails_midway_leaves_the_old_checkpoint_and_no_temp_file(tmp_path):
+    path = str(tmp_path / "ckpt.pt")
+    save_checkpoint(path, {"step": 1, "w": torch.arange(10)})
+    with pytest.raises(RuntimeError, match="cannot pickle"):
+        save_checkpoint(path, {"step": 2, "w": torch.zeros(100_000), "bad": _Unpicklable()})
+    assert os.listdir(tmp_path) == ["ckpt.pt"]
+    old = torch.load(path, weights_only=False)
+    assert old["step"] == 1 and torch.equal(old["w"], torch.arange(10))
+
+
+def test_a_failure_in_training_is_reported_whole_with_its_rank(tmp_path, monkeypatch, capsys):
+    """Under torchrun a rank's one-line gloo error hid the real cause: the CLI prints the whole traceback
+    (chained causes too), names the rank, and writes torchrun's error file so its summary shows it."""
+    import fastoptim.train
+
+    def failing_main(cfg):
+        try:
+            raise OSError("the real cause")
+        except OSError as e:
+            raise RuntimeError("Connection closed by peer") from e
+
+    monkeypatch.setattr(fastoptim.train, "main", failing_main)
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(tmp_path / "error.json"))
+    assert cli(["train", "--out-dir", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert "rank 1 of 2" in err and "Traceback" in err and "failing_main" in err
+    assert "OSError: the real cause" in err and "RuntimeError: Connection closed by peer" in err
+    record = json.loads((tmp_path / "error.json").read_text())["message"]
+    assert "Connection closed by peer" in record["message"]
+    assert "the real cause" in record["extraInfo"]["py_callstack"]

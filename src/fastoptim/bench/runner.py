@@ -10,7 +10,7 @@ from typing import Callable
 
 import torch
 
-from .. import registry
+from .. import registry, timing
 from . import workloads
 
 # torch.optim's fused CPU kernels exist for these
@@ -150,18 +150,20 @@ def state_bytes(opt) -> int:
 
 
 def run_workload(shapes, rows: list[Row], rounds: int, steps_per_round: int, warmup: int,
-                 progress: Callable[[], None] = lambda: None) -> None:
-    """Each row gets its own params; rounds interleave the rows so drift hits them all alike."""
+                 progress: Callable[[], None] = lambda: None, device="cpu") -> None:
+    """Each row gets its own params on ``device``; rounds interleave the rows so drift hits them all alike.
+    Every timed step starts and ends with the device synchronized (``timing.clock``)."""
     n = workloads.numel(shapes)
+    now = timing.clock([device])
     live = []
     for row in rows:
-        params = workloads.make_params([(n,)] if row.flat else shapes)
+        params = workloads.make_params([(n,)] if row.flat else shapes, device=device)
         try:
             opt = row.build(params)
             grads = [p.grad for p in params]  # after build: flat mode swaps in views of its buffer
-            t0 = time.perf_counter()
+            t0 = now()
             opt.step()
-            row.first_step_ms = (time.perf_counter() - t0) * 1e3
+            row.first_step_ms = (now() - t0) * 1e3
             for _ in range(warmup):
                 for p, g in zip(params, grads):
                     p.grad = g
@@ -180,9 +182,9 @@ def run_workload(shapes, rows: list[Row], rounds: int, steps_per_round: int, war
                 if params[0].grad is None:  # a library that consumes the grads: put them back, untimed
                     for p, g in zip(params, grads):
                         p.grad = g
-                t0 = time.perf_counter()
+                t0 = now()
                 opt.step()
-                elapsed += time.perf_counter() - t0
+                elapsed += now() - t0
             row.times_ms.append(elapsed * 1e3 / steps_per_round)
             progress()
 

@@ -41,6 +41,8 @@ def add_parser(sub) -> None:
     p.add_argument("--no-peers", action="store_const", const="none", dest="peers",
                    help="same as --peers none")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="where the params live; auto: cuda if there is one, else cpu (default: auto)")
     p.add_argument("--json", metavar="PATH", help="write results as JSON (schema in README.md)")
     p.add_argument("--markdown", metavar="PATH", help="write the tables as Markdown")
     p.set_defaults(func=run)
@@ -63,6 +65,11 @@ def run(args: argparse.Namespace) -> int:
     if args.clip is not None and not args.clip > 0:
         print(f"fastoptim bench: --clip must be > 0, got {args.clip}", file=sys.stderr)
         return 2
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("fastoptim bench: --device cuda, but torch sees no CUDA device", file=sys.stderr)
+        return 2
+    device = "cuda" if args.device == "auto" and torch.cuda.is_available() else (
+        "cpu" if args.device == "auto" else args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.quick:
@@ -90,11 +97,11 @@ def run(args: argparse.Namespace) -> int:
     results = []
     with _progress(total) as advance:
         for workload, optimizer, shapes, rows in jobs:
-            bench.run_workload(shapes, rows, args.rounds, args.steps, args.warmup, advance)
+            bench.run_workload(shapes, rows, args.rounds, args.steps, args.warmup, advance, device)
             results.append(bench.to_dict(workload, optimizer, bench.numel(shapes), len(shapes), rows))
     schedulers = None if args.no_schedulers else bench.time_schedulers(rounds=3 if args.quick else 7)
     bench.print_tables(results, schedulers)
-    config = {k: v for k, v in vars(args).items() if k != "func"}
+    config = {k: v for k, v in vars(args).items() if k != "func"} | {"device": device}
     if args.json:
         bench.write_json(args.json, results, config, schedulers)
     if args.markdown:

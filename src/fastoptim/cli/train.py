@@ -5,12 +5,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
+import traceback
 import typing
 
 from ..levels import IMPLS
 from ..registry import OPTIMIZERS
-from ..train.loop import DTYPES, SCHEDULES, TrainConfig
+from ..train.loop import DTYPES, SCHEDULES, TrainConfig, check_config
 
 CHOICES = {"optimizer": tuple(OPTIMIZERS), "dtype": tuple(DTYPES), "schedule": SCHEDULES, "impl": IMPLS,
            "compile_mode": ("default", "reduce-overhead", "max-autotune"), "device": ("auto", "cpu", "cuda")}
@@ -61,12 +63,17 @@ def run(args: argparse.Namespace) -> int:
               "build", file=sys.stderr)
         return 2
     cfg = TrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)})
+    try:
+        check_config(cfg)
+    except (ValueError, FileNotFoundError, RuntimeError) as e:  # a bad setting: its message says it all
+        print(f"fastoptim train: {e}", file=sys.stderr)
+        return 2
     from ..train import main
     try:
         summary = main(cfg)
-    except (ValueError, FileNotFoundError, RuntimeError) as e:
-        print(f"fastoptim train: {e}", file=sys.stderr)
-        return 2
+    except Exception as e:  # noqa: BLE001 - reported whole, with the rank that raised it
+        report_failure(e)
+        return 1
     if summary["rank"] != 0:
         return 0
     mfu = f"{summary['mfu']:.1%}" if summary["mfu"] is not None else "n/a on this device (no peak FLOP/s entry)"
@@ -83,6 +90,25 @@ def run(args: argparse.Namespace) -> int:
     if args.plot:
         plot_losses(summary["log"], args.plot)
     return 0
+
+
+def report_failure(error: BaseException) -> None:
+    """A failure during training: the whole traceback (chained causes included) and which rank raised it.
+    Under torchrun it also goes to the error file, so torchrun's summary shows the traceback of the rank
+    that failed first (the root cause), not only the collective errors that followed on the others."""
+    rank = os.environ.get("RANK")
+    where = f" on rank {rank} of {os.environ.get('WORLD_SIZE', '?')}" if rank is not None else ""
+    lines = traceback.format_exception(error)
+    prefix = f"[rank {rank}] " if rank is not None else ""
+    print(f"fastoptim train failed{where}: {type(error).__name__}: {error}\n"
+          + "".join(prefix + line for chunk in lines for line in chunk.splitlines(keepends=True)),
+          file=sys.stderr, end="")
+    if rank is not None and "by peer" in str(error):
+        print(f"{prefix}this rank lost its connection to another rank, which most likely failed first: "
+              "its own report (and torchrun's root cause) names the error", file=sys.stderr)
+    if os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+        ErrorHandler().record_exception(error)
 
 
 def plot_losses(log: list[dict], path: str) -> None:

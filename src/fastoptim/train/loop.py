@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import math
 import os
-import time
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 
 import torch
 
 from .. import data as corpus
-from .. import factory, schedules
+from .. import factory, schedules, timing
+from . import checkpoint
 from .model import GPT, GPTConfig
 
 
@@ -136,10 +136,15 @@ def get_batch(tokens: torch.Tensor, cfg: TrainConfig, generator: torch.Generator
 
 
 def save_checkpoint(path: str, state: dict) -> None:
-    """Written to a temporary file and renamed over the old one: a crash never leaves half a checkpoint."""
-    tmp = f"{path}.tmp.{os.getpid()}"
-    torch.save(state, tmp)
-    os.replace(tmp, path)
+    """Written to a temporary file, fsynced and renamed over the old one, the folder fsynced: a crash or a
+    power loss never leaves half a checkpoint; temporary files of killed saves are removed."""
+    checkpoint.save(state, path)
+
+
+# the DCP folders of --fsdp checkpoints: dcp-<step>-<random> (ckpt.pt names the one it goes with), their
+# temporary folders (.tmp) and the single folder of older versions (dcp, dcp.tmp, dcp.old)
+DCP_DIRS = r"dcp(-\d+-[0-9a-f]+)?(\.tmp|\.old)?"
+DCP_TEMPS = r"dcp(-\d+-[0-9a-f]+)?(\.tmp|\.old)"
 
 
 def main(cfg: TrainConfig) -> dict:
@@ -197,8 +202,12 @@ def main(cfg: TrainConfig) -> dict:
     start_step, log = 0, []
     if cfg.resume:
         ckpt = torch.load(ckpt_path, map_location=device, weights_only=False)
+        if master:  # what saves killed mid-way left behind
+            checkpoint.remove_stale_temps(ckpt_path)
+            if cfg.fsdp:
+                checkpoint.remove_dirs(cfg.out_dir, DCP_DIRS, keep=ckpt.get("dcp", "dcp"))
         if cfg.fsdp:
-            _load_sharded(model, opt, os.path.join(cfg.out_dir, "dcp"))
+            _load_sharded(model, opt, os.path.join(cfg.out_dir, ckpt.get("dcp", "dcp")))
         else:
             model.load_state_dict(ckpt["model"])
             opt.load_state_dict(ckpt["optimizer"])
@@ -228,9 +237,10 @@ def main(cfg: TrainConfig) -> dict:
     end_step = min(cfg.stop_after, cfg.steps) if cfg.stop_after else cfg.steps
     progress = _Progress(end_step - start_step, enabled=cfg.progress and master)
     stats = {"step_time": 0.0, "opt_time": 0.0, "steps": 0}
+    now = timing.clock([device])  # synchronizes the device: GPU work is timed, not its launch
     with progress:
         for step in range(start_step, end_step):
-            t0 = time.perf_counter()
+            t0 = now()
             for micro in range(cfg.grad_accum_steps):
                 x, y = get_batch(train_tokens, cfg, data_rng, device)
                 sync, last = nullcontext(), micro == cfg.grad_accum_steps - 1
@@ -241,12 +251,12 @@ def main(cfg: TrainConfig) -> dict:
                 with sync, autocast:
                     _, loss = train_model(x, y)
                 scaler.scale(loss / cfg.grad_accum_steps).backward()
-            t_opt = time.perf_counter()
+            t_opt = now()
             scaler.step(opt)
             scaler.update()
             opt.zero_grad(set_to_none=True)
             scheduler.step()
-            t1 = time.perf_counter()
+            t1 = now()
             stats["step_time"] += t1 - t0
             stats["opt_time"] += t1 - t_opt
             stats["steps"] += 1
@@ -262,11 +272,13 @@ def main(cfg: TrainConfig) -> dict:
                          "torch_rng": torch.get_rng_state(), "data_rng": data_rngs, "step": step + 1, "log": log,
                          "config": asdict(cfg)}
                 if cfg.fsdp:
-                    _save_sharded(model, opt, os.path.join(cfg.out_dir, "dcp"), master)
+                    state["dcp"] = _save_sharded(model, opt, cfg.out_dir, step + 1, master)
                 else:
                     state.update(model=model.state_dict(), optimizer=opt.state_dict())
                 if master:
-                    save_checkpoint(ckpt_path, state)
+                    save_checkpoint(ckpt_path, state)  # the commit point: ckpt.pt names its DCP folder
+                    if cfg.fsdp:
+                        checkpoint.remove_dirs(cfg.out_dir, DCP_DIRS, keep=state["dcp"])
 
     mean_step = stats["step_time"] / max(stats["steps"], 1)
     tokens_per_s = tokens_per_step / mean_step if mean_step else 0.0
@@ -278,37 +290,57 @@ def main(cfg: TrainConfig) -> dict:
         "optimizer_share": stats["opt_time"] / stats["step_time"] if stats["step_time"] else 0.0,
         "log": log,
     }
-    if cfg.sample_tokens and master:
-        g = torch.Generator(device=device).manual_seed(cfg.seed)
-        prompt = torch.tensor([[10]], device=device)  # a newline
-        out = model.generate(prompt, cfg.sample_tokens, generator=g)[0].tolist()
-        summary["sample"] = bytes(t % 256 for t in out).decode("utf-8", errors="replace")
+    # FSDP2 gathers each block's params from every rank in a forward: every rank generates (the same tokens,
+    # from the same seed) or rank 0 would wait on ranks that have left. Otherwise rank 0 alone.
+    if cfg.sample_tokens and (master or cfg.fsdp):
+        out = _generate(model, cfg, device)
+        if master:
+            summary["sample"] = bytes(t % 256 for t in out).decode("utf-8", errors="replace")
     if distributed:
         import torch.distributed as dist
         dist.destroy_process_group()
     return summary
 
 
-def _save_sharded(model, opt, path: str, master: bool) -> None:
-    """FSDP2: each rank writes its shards through torch.distributed.checkpoint, into a fresh folder that
-    replaces the old one only once every rank has finished."""
-    import shutil
+def _generate(model, cfg: TrainConfig, device) -> list[int]:
+    g = torch.Generator(device=device).manual_seed(cfg.seed)
+    prompt = torch.tensor([[10]], device=device)  # a newline
+    if not cfg.fsdp:
+        return model.generate(prompt, cfg.sample_tokens, generator=g)[0].tolist()
+    from torch.distributed.fsdp import FSDPModule
 
+    model.set_reshard_after_forward(False)  # gather the params once, not once per token
+    try:
+        return model.generate(prompt, cfg.sample_tokens, generator=g)[0].tolist()
+    finally:
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
+        model.set_reshard_after_forward(True)  # as fully_shard set it: the blocks reshard, the root keeps
+        model.set_reshard_after_forward(False, recurse=False)
+
+
+def _save_sharded(model, opt, out_dir: str, step: int, master: bool) -> str:
+    """FSDP2: each rank writes its shards through torch.distributed.checkpoint into a temporary folder; once
+    every rank has finished, rank 0 fsyncs it and renames it to a new name, which it returns. The folder
+    counts once ckpt.pt names it (written after this), so a crash at any point leaves ckpt.pt and the
+    folder it names as they were; the caller removes the older folders after that commit."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     model_sd, optim_sd = get_state_dict(model, opt)
-    tmp = f"{path}.tmp"
+    name = [None]
+    if master:  # before the others start writing: temporary folders of killed saves go
+        checkpoint.remove_dirs(out_dir, DCP_TEMPS)
+        name = [f"dcp-{step:08d}-{os.urandom(4).hex()}"]  # new even where an older run saved this step
+    dist.broadcast_object_list(name, src=0)
+    tmp = os.path.join(out_dir, name[0] + ".tmp")
     dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=tmp)
     dist.barrier()
     if master:
-        old = f"{path}.old"
-        if os.path.isdir(path):
-            os.replace(path, old)
-        os.replace(tmp, path)
-        shutil.rmtree(old, ignore_errors=True)
-    dist.barrier()
+        checkpoint.commit_dir(tmp, os.path.join(out_dir, name[0]))
+    return name[0]
 
 
 def _load_sharded(model, opt, path: str) -> None:
