@@ -186,9 +186,12 @@ class PlanBucket:
     dicts: list = field(default_factory=list)  # the owners' state dicts (None: no state), set at commit
     cache: dict = field(default_factory=dict)  # the level's own (the fused level's tensor table)
 
-    def grads(self, group_grads: list[Tensor]) -> list[Tensor]:
+    def grads(self, group_grads: list[Tensor] | None) -> list[Tensor]:
+        """This step's grads for the bucket, from the group's (None in flat mode: the grads are views)."""
         if self.flat is not None:
             return [self.flat.grad_buffer]
+        if group_grads is None:
+            return [p.grad for p in self.owners]
         grads = group_grads if self.positions is None else [group_grads[i] for i in self.positions]
         return [_local_real(g) for g in grads] if self.convert else grads
 

@@ -1,0 +1,268 @@
+"""The step plan (``fastoptim.plan``): reused while nothing changed, rebuilt the moment anything it caches
+changes, and never the cause of a number torch.optim would not give."""
+
+from collections import defaultdict
+
+import pytest
+import torch
+
+import fastoptim
+from conftest import assert_params_close, assert_state_close, clone_params
+from fastoptim import plan
+from fastoptim.levels import LEVELS, record_paths
+from fastoptim.registry import OPTIMIZERS
+from fastoptim.reference import reference_class, reference_kwargs
+
+
+def _pair(name, level, flat=False, option=1, shapes=((5, 4), (7,), (3, 2))):
+    spec = OPTIMIZERS[name]
+    opts = spec.option_sets[option]
+    g = torch.Generator().manual_seed(0)
+    ours_p = [torch.nn.Parameter(torch.randn(s, generator=g)) for s in shapes]
+    ref_p = clone_params(ours_p)
+    ours = spec.cls(ours_p, impl=level, flat=flat, **opts)
+    ref = reference_class(spec)(ref_p, **opts, **reference_kwargs(spec))
+    return spec, ours, ours_p, ref, ref_p, g
+
+
+def _grads(g, *param_lists):
+    for ps in zip(*param_lists):
+        grad = torch.randn(ps[0].shape, generator=g)
+        for p in ps:
+            p.grad = grad.clone()
+
+
+def _init_like_torch(spec, ref):
+    """torch's Adagrad makes its state only in __init__: after a reset its state is made by hand."""
+    if spec.cls.rule.eager_state:
+        for group in ref.param_groups:
+            for p in group["params"]:
+                ref.state[p] = {"step": torch.tensor(0.0), "sum": torch.full_like(p, group["initial_accumulator_value"])}
+
+
+@pytest.mark.parametrize("action", ["clear", "replace_mapping", "replace_tensor", "rewind_step"])
+@pytest.mark.parametrize("flat", [False, True])
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_state_reset_or_replaced_between_steps_is_what_steps(name, level, flat, action):
+    """Users reset an optimizer between phases (``state.clear()``, ``state = defaultdict(dict)``) or swap one
+    state tensor; the next steps must use what the state now holds, and state_dict() must show it."""
+    spec, ours, ours_p, ref, ref_p, g = _pair(name, level, flat)
+    if action == "rewind_step" and not spec.cls.rule.exports_step:
+        pytest.skip(f"torch keeps no step count for {name}")
+    for step in range(1, 5):
+        _grads(g, ours_p, ref_p)
+        ours.step()
+        ref.step()
+        if step == 2:
+            if action == "clear":
+                ours.state.clear()
+                ref.state.clear()
+                _init_like_torch(spec, ref)
+            elif action == "replace_mapping":
+                ours.state = defaultdict(dict)
+                ref.state = defaultdict(dict)
+                _init_like_torch(spec, ref)
+            elif action == "replace_tensor":
+                name0 = spec.cls.rule.state_names[0]
+                value = torch.rand(ours_p[0].shape, generator=g)
+                ours.state[ours_p[0]][name0] = value.clone()
+                ref.state[ref_p[0]][name0] = value.clone()
+            else:
+                ours.state[ours_p[0]]["step"] = 0
+                ref.state[ref_p[0]]["step"] = torch.tensor(0.0)
+        assert_params_close(ours_p, ref_p)
+    ours_sd, ref_sd = ours.state_dict(), ref.state_dict()
+    assert set(ours_sd["state"]) == set(ref_sd["state"])
+    for index, entry in ref_sd["state"].items():
+        assert set(ours_sd["state"][index]) == set(entry)
+        for k, v in entry.items():
+            if k == "step":
+                assert float(ours_sd["state"][index][k]) == float(v)
+            else:
+                assert_state_close(ours_sd["state"][index][k], v, msg=k)
+
+
+def test_plan_is_reused_while_nothing_changes(monkeypatch):
+    """The fast path: an unchanged step builds nothing; any change to the state rebuilds."""
+    builds = []
+    real_build = plan.build
+    monkeypatch.setattr(plan, "build", lambda *a, **k: builds.append(1) or real_build(*a, **k))
+    spec, ours, ours_p, ref, ref_p, g = _pair("adamw", "foreach")
+    for _ in range(4):
+        _grads(g, ours_p, ref_p)
+        ours.step()
+        ref.step()
+    assert len(builds) == 1
+    first = ours._plans[0]
+    ours.state[ours_p[1]]["exp_avg_sq"] = ours.state[ours_p[1]]["exp_avg_sq"].clone()  # same values, new tensor
+    ref.state[ref_p[1]]["exp_avg_sq"] = ref.state[ref_p[1]]["exp_avg_sq"].clone()
+    _grads(g, ours_p, ref_p)
+    ours.step()
+    ref.step()
+    assert len(builds) == 2 and ours._plans[0] is not first
+    assert ours._plans[0].buckets[0].states[1][1] is ours.state[ours_p[1]]["exp_avg_sq"]
+    assert_params_close(ours_p, ref_p)
+
+
+@pytest.mark.parametrize("mutate", ["pop", "setdefault", "update", "del", "ior", "popitem", "map_pop",
+                                    "map_setitem", "map_update", "map_del"])
+def test_every_way_of_changing_state_is_seen(mutate):
+    opt = fastoptim.Adam([torch.nn.Parameter(torch.randn(3))], lr=0.1)
+    p = opt.param_groups[0]["params"][0]
+    p.grad = torch.ones(3)
+    opt.step()
+    state_map, version = opt.state, opt.state.version
+    s = state_map[p]
+    {"pop": lambda: s.pop("exp_avg"), "setdefault": lambda: s.setdefault("extra", 1),
+     "update": lambda: s.update(exp_avg=torch.zeros(3)), "del": lambda: s.__delitem__("exp_avg"),
+     "ior": lambda: s.__ior__({"exp_avg": torch.zeros(3)}), "popitem": lambda: s.popitem(),
+     "map_pop": lambda: state_map.pop(p), "map_setitem": lambda: state_map.__setitem__(p, {}),
+     "map_update": lambda: state_map.update({p: {}}), "map_del": lambda: state_map.__delitem__(p)}[mutate]()
+    assert state_map.version > version
+
+
+def test_state_pickles_as_torchs_plain_types():
+    opt = fastoptim.AdamW([torch.nn.Parameter(torch.randn(3))])
+    opt.param_groups[0]["params"][0].grad = torch.ones(3)
+    opt.step()
+    import io
+    buffer = io.BytesIO()
+    torch.save(opt.state_dict(), buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=True)  # plain dicts and tensors only
+    assert type(loaded["state"][0]) is dict
+    copied = __import__("copy").deepcopy(opt)
+    assert isinstance(copied.state, plan.StateMap) and len(copied.state) == 1
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_a_bad_replaced_state_tensor_is_named_and_changes_nothing(level):
+    spec, ours, ours_p, _, _, g = _pair("adam", level)
+    _grads(g, ours_p)
+    ours.step()
+    ours.state[ours_p[2]]["exp_avg"] = torch.zeros(4)  # the wrong shape
+    before = [p.detach().clone() for p in ours_p]
+    steps = [ours.state[p]["step"] for p in ours_p]
+    _grads(g, ours_p)
+    with pytest.raises(ValueError, match=r"state 'exp_avg' of param 2 has shape \(4,\)"):
+        ours.step()
+    assert all(torch.equal(a, b) for a, b in zip(ours_p, before))
+    assert [ours.state[p]["step"] for p in ours_p] == steps
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_a_param_that_misses_a_step_keeps_the_plan_and_its_caches(level):
+    """A param without a grad for one step falls a count behind: two buckets from then on. The plan holds
+    both, each with its own cache, and is reused step after step."""
+    spec, ours, ours_p, ref, ref_p, g = _pair("adamw", level)
+    _grads(g, ours_p, ref_p)
+    ours.step()
+    ref.step()
+    _grads(g, ours_p[:2], ref_p[:2])
+    ours_p[2].grad = ref_p[2].grad = None
+    ours.step()
+    ref.step()
+    plans = []
+    for _ in range(3):
+        _grads(g, ours_p, ref_p)
+        ours.step()
+        ref.step()
+        plans.append(ours._plans[0])
+        assert_params_close(ours_p, ref_p)
+    assert plans[1] is plans[0] and plans[2] is plans[0]
+    buckets = plans[0].buckets
+    assert sorted(b.step for b in buckets) == [4, 5]
+    assert len({id(b.cache) for b in buckets}) == 2
+
+
+def test_a_param_that_misses_a_step_keeps_its_kernel_tables(monkeypatch):
+    """On the Triton kernel (interpreted): the two buckets' tensor tables are built once, not every step."""
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from fastoptim.levels import triton_kernels as tk
+    spec, ours, ours_p, ref, ref_p, g = _pair("adamw", "fused")
+    _grads(g, ours_p, ref_p)
+    ours.step()
+    ref.step()
+    _grads(g, ours_p[:2], ref_p[:2])
+    ours_p[2].grad = ref_p[2].grad = None
+    ours.step()
+    ref.step()
+    builds = []
+    real_update = tk.TensorTable.update
+
+    def counted(self, columns):
+        key = self.key
+        real_update(self, columns)
+        builds.append(self.key is not key)
+    monkeypatch.setattr(tk.TensorTable, "update", counted)
+    grads = [torch.randn(p.shape, generator=g) for p in ours_p]
+    for _ in range(3):  # the same grad tensors every step: nothing to rebuild
+        for p, q, gr in zip(ours_p, ref_p, grads):
+            p.grad, q.grad = gr, gr.clone()
+        with record_paths() as paths:
+            ours.step()
+        ref.step()
+        assert paths == ["triton", "triton"]
+    assert builds == [True, True, False, False, False, False]
+    assert_params_close(ours_p, ref_p)
+
+
+def _scaler_steps(opt, params, g, plan_of_inf, reads=None):
+    """GradScaler steps; ``plan_of_inf[i]`` puts an inf into step i's grads. ``reads`` collects
+    state[p]["step"] right after each scaler step, before anything else runs."""
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 4, growth_interval=1000)
+    scaler.scale(torch.ones(()))
+    for inf in plan_of_inf:
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=g) * scaler.get_scale()
+        if inf:
+            params[0].grad.view(-1)[0] = float("inf")
+        scaler.step(opt)
+        scaler.update()
+        if reads is not None:
+            reads.append([opt.state[p].get("step") for p in params])
+
+
+@pytest.mark.parametrize("flat", [False, True])
+@pytest.mark.parametrize("kernel", ["triton", "host"])
+@pytest.mark.parametrize("name", ["sgd", "adamw", "lion"])
+def test_grad_scaler_skipping_the_first_step(monkeypatch, name, kernel, flat):
+    """A first step skipped for inf grads leaves no trace: the next step is a first step (SGD's buffer
+    becomes the grad, not (1 - dampening) * grad), as in torch. ``triton``: the kernel skips by itself."""
+    if kernel == "triton":
+        pytest.importorskip("triton")
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    opts = {"sgd": dict(lr=0.1, momentum=0.9, dampening=0.3), "adamw": dict(lr=1e-2), "lion": dict(lr=1e-2)}[name]
+    spec = OPTIMIZERS[name]
+    g0 = torch.Generator().manual_seed(0)
+    ours_p = [torch.nn.Parameter(torch.randn(s, generator=g0)) for s in [(5, 4), (7,)]]
+    ref_p = clone_params(ours_p)
+    ours = spec.cls(ours_p, impl="fused", flat=flat, **opts)
+    ref = reference_class(spec)(ref_p, **opts, **reference_kwargs(spec))
+    with record_paths() as paths:
+        _scaler_steps(ours, ours_p, torch.Generator().manual_seed(1), [True, False, True, False])
+    _scaler_steps(ref, ref_p, torch.Generator().manual_seed(1), [True, False, True, False])
+    assert ("triton" in paths) == (kernel == "triton")
+    assert_params_close(ours_p, ref_p)
+    ours_sd, ref_sd = ours.state_dict()["state"], ref.state_dict()["state"]
+    assert set(ours_sd) == set(ref_sd)
+    for i in ref_sd:
+        for k, v in ref_sd[i].items():
+            torch.testing.assert_close(ours_sd[i][k].float(), v.float(), atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("flat", [False, True])
+def test_step_count_reads_right_right_after_a_skipped_step(monkeypatch, flat):
+    """The kernel skips by itself and the step is counted until its flag is read; reading ``state`` reads
+    the flag first, so the count is right whenever a user reads it."""
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    params = [torch.nn.Parameter(torch.randn(4, 3)), torch.nn.Parameter(torch.randn(3))]
+    opt = fastoptim.AdamW(params, impl="fused", flat=flat, lr=1e-2)
+    reads = []
+    with record_paths() as paths:
+        _scaler_steps(opt, params, torch.Generator().manual_seed(0), [False, True, False, True], reads)
+    assert "triton" in paths
+    assert reads == [[1, 1], [1, 1], [2, 2], [2, 2]]
