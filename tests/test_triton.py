@@ -1,6 +1,10 @@
 """The Triton kernels, proven without a GPU: run in Triton's interpreter on CPU tensors against the loop
-level, and compiled ahead of time for sm_80 and sm_90 with the PTX read for 128-bit vector access."""
+level (each test asserting, through ``record_paths``, that the kernel ran), and compiled ahead of time for
+sm_80 and sm_90 with the PTX read for 128-bit vector access and for the arithmetic the rules mean: IEEE
+division and square root, no FMA contraction, 16-bit stores rounded to nearest."""
 
+import ast
+import inspect
 import re
 
 import pytest
@@ -10,6 +14,7 @@ pytest.importorskip("triton")
 
 from conftest import (CASES, assert_params_close, assert_state_close, clone_params, make_params,  # noqa: E402
                       set_grads)
+from fastoptim.levels import record_paths  # noqa: E402
 from fastoptim.levels import triton_kernels as tk  # noqa: E402
 from fastoptim.registry import OPTIMIZERS  # noqa: E402
 
@@ -41,7 +46,10 @@ def test_interpreted_kernel_matches_loop_level_every_step(interpret, name, index
     for step in range(1, 6):
         set_grads(step, [base_p, ours_p])
         base.step()
-        ours.step()
+        with record_paths() as paths:
+            ours.step()
+        # the kernel ran; the transposed param (and its grad) went to the foreach level, nothing else did
+        assert "triton" in paths and "foreach" in paths and set(paths) == {"triton", "foreach"}, paths
         _assert_same(ours, base, ours_p, base_p, step)
 
 
@@ -57,7 +65,9 @@ def test_thousands_of_tensors_in_one_launch(interpret):
             a.grad = torch.randn(a.shape, generator=g)
             b.grad = a.grad.clone()
         base.step()
-        ours.step()
+        with record_paths() as paths:
+            ours.step()
+        assert paths == ["triton"]  # one bucket, one launch, no tensor left out
         _assert_same(ours, base, ours_p, base_p, step)
     table = next(iter(ours._bucket_caches.values()))["triton_table"]
     assert table.n_chunks == sum(1 for n in sizes if n > 0)  # one launch covered every non-empty tensor
@@ -71,7 +81,9 @@ def test_flat_buffer_runs_one_kernel_over_the_bucket(interpret):
     for step in range(1, 4):
         set_grads(step, [base_p, ours_p], none_every=10 ** 9)
         base.step()
-        ours.step()
+        with record_paths() as paths:
+            ours.step()
+        assert paths == ["triton"]  # the flat buffer is contiguous and aligned: nothing falls back
         _assert_same(ours, base, ours_p, base_p, step)
 
 
@@ -85,7 +97,9 @@ def test_misaligned_and_strided_tensors_take_the_safe_path(interpret):
     base = OPTIMIZERS["adam"].cls(base_p, impl="loop", lr=1e-2)
     for step in range(1, 3):
         set_grads(step, [params, base_p], none_every=10 ** 9)
-        ours.step()
+        with record_paths() as paths:
+            ours.step()
+        assert paths == ["triton", "foreach"]  # the aligned param in the kernel, the other two after it
         base.step()
         _assert_same(ours, base, params, base_p, step)
     table = next(iter(ours._bucket_caches.values()))["triton_table"]
@@ -96,14 +110,16 @@ def test_table_is_cached_until_an_address_changes(interpret):
     params = make_params()
     opt = OPTIMIZERS["sgd"].cls(params, impl="fused", lr=0.1, momentum=0.9)
     set_grads(1, [params], none_every=10 ** 9)
-    opt.step()
-    table = next(iter(opt._bucket_caches.values()))["triton_table"]
-    first = table.table
-    opt.step()  # same grads, same addresses
-    assert table.table is first
-    set_grads(2, [params], none_every=10 ** 9)  # new grad tensors: new addresses
-    opt.step()
-    assert table.table is not first
+    with record_paths() as paths:
+        opt.step()
+        table = next(iter(opt._bucket_caches.values()))["triton_table"]
+        first = table.table
+        opt.step()  # same grads, same addresses
+        assert table.table is first
+        set_grads(2, [params], none_every=10 ** 9)  # new grad tensors: new addresses
+        opt.step()
+        assert table.table is not first
+    assert paths.count("triton") == 3  # the kernel ran each step (the transposed param beside it)
 
 
 @pytest.mark.parametrize("name,index", CASES)
@@ -128,16 +144,20 @@ def test_kernel_unscales_and_skips_with_amp_tensors(interpret, name, index):
     loop.apply(rule.update, ref_p, grads, ref_s, scalars, flags)
 
     before = ([p.clone() for p in params], [None if s is None else [t.clone() for t in s] for s in states])
-    tk.run(rule.update, rule.state_names, params, scaled, states, scalars, flags, tk.TensorTable(),
-           grad_mul=1 / scale, found_inf=torch.tensor(1.0))
+    with record_paths() as paths:
+        tk.run(rule.update, rule.state_names, params, scaled, states, scalars, flags, tk.TensorTable(),
+               grad_mul=1 / scale, found_inf=torch.tensor(1.0))
+    assert paths == ["triton"]  # launched, and skipped inside the kernel
     for a, b in zip(params, before[0]):
         assert torch.equal(a, b)  # inf seen: params untouched
     for s, b in zip(states, before[1]):
         if s is not None:
             assert all(torch.equal(x, y) for x, y in zip(s, b))
 
-    tk.run(rule.update, rule.state_names, params, scaled, states, scalars, flags, tk.TensorTable(),
-           grad_mul=1 / scale, found_inf=torch.tensor(0.0))
+    with record_paths() as paths:
+        tk.run(rule.update, rule.state_names, params, scaled, states, scalars, flags, tk.TensorTable(),
+               grad_mul=1 / scale, found_inf=torch.tensor(0.0))
+    assert paths == ["triton"]
     for a, b in zip(params, ref_p):  # random states can make centered RMSprop's variance negative: NaN alike
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5, equal_nan=True)
 
@@ -162,6 +182,34 @@ def _count(ptx: str, pattern: str) -> int:
     return len(re.findall(pattern, ptx))
 
 
+def _rule_uses(rule):
+    """(divides, takes a root): read from the rule's own source, the one every level runs."""
+    tree = ast.parse(inspect.getsource(rule.update).lstrip())
+    divides = any(isinstance(n, (ast.BinOp, ast.AugAssign)) and isinstance(n.op, ast.Div) for n in ast.walk(tree))
+    roots = any(isinstance(n, ast.Call) and getattr(n.func, "id", None) == "sqrt" for n in ast.walk(tree))
+    return divides, roots
+
+
+def _assert_ieee_arithmetic(ptx: str, rule) -> None:
+    """The GPU computes what the rule means, as the interpreter and the torch levels do: IEEE division and
+    square root (Triton's own ``/`` is the approximate ``div.full.f32``), no fused multiply-add."""
+    divides, roots = _rule_uses(rule)
+    assert _count(ptx, r"\bdiv\.full\.") == 0 and _count(ptx, r"\bdiv\.approx\.") == 0
+    assert _count(ptx, r"\brcp\.approx\.") == 0 and _count(ptx, r"\bsqrt\.approx\.") == 0
+    assert (_count(ptx, r"\bdiv\.rn\.f32\b") > 0) == divides
+    assert (_count(ptx, r"\bsqrt\.rn\.f32\b") > 0) == roots
+    assert _count(ptx, r"\bfma\.\w+\.f32\b") == 0
+
+
+def _assert_16bit_stores_round_to_nearest(ptx: str, dtype: torch.dtype) -> None:
+    """Every fp32 -> 16-bit conversion (scalar or packed pair) rounds to nearest even: ``cvt.rn``."""
+    kind = {torch.bfloat16: "bf16", torch.float16: "f16"}[dtype]
+    downcasts = re.findall(rf"\bcvt((?:\.\w+)*)\.(?:bf16|f16)(?:x2)?\.f32\b", ptx)
+    assert downcasts, "no fp32 -> 16-bit conversion found"
+    assert all(mods == ".rn" for mods in downcasts), sorted(set(downcasts))
+    assert _count(ptx, rf"\bcvt\.rn\.{kind}(x2)?\.f32\b") == len(downcasts)
+
+
 # fp32: BLOCK elements over 32 * NUM_WARPS threads, 4 per 128-bit access
 VECTORS_PER_ARRAY = tk.BLOCK // (32 * tk.NUM_WARPS * 4)
 
@@ -179,6 +227,7 @@ def test_kernel_compiles_for_gpu_with_vector_access(name, index, capability):
     # the unmasked body: p, g and each state read with 128-bit loads; p and each state written back
     assert _count(ptx, r"ld\.global(\.\w+)*\.v4\.b32") == (2 + n_states) * VECTORS_PER_ARRAY
     assert _count(ptx, r"st\.global(\.\w+)*\.v4\.b32") == (1 + n_states) * VECTORS_PER_ARRAY
+    _assert_ieee_arithmetic(ptx, rule)
 
 
 def test_adamw_fp32_is_four_loads_three_stores_per_element_group():
@@ -189,13 +238,36 @@ def test_adamw_fp32_is_four_loads_three_stores_per_element_group():
     assert (loads // VECTORS_PER_ARRAY, stores // VECTORS_PER_ARRAY) == (4, 3)
 
 
+def test_twin_divides_with_div_rn_and_the_rule_keeps_its_operator():
+    """The Triton twin is the rule's own source with each ``/`` spelled ``tl.div_rn``; the rule itself (what
+    the loop, foreach and compiled levels run) is untouched."""
+    for name in OPTIMIZERS:
+        update = OPTIMIZERS[name].cls.rule.update
+        twin = tk.twin_source(update)
+        original = ast.parse(inspect.getsource(update).lstrip())
+        rewritten = ast.parse(twin)
+        n_div = sum(isinstance(n, ast.BinOp) and isinstance(n.op, ast.Div) for n in ast.walk(original))
+        assert sum(isinstance(n, ast.BinOp) and isinstance(n.op, ast.Div) for n in ast.walk(rewritten)) == 0
+        assert twin.count("tl.div_rn(") == n_div
+        assert "/" not in twin
+    assert tk.triton_twin(update) is tk.triton_twin(update)  # built once per rule
+
+
+@pytest.mark.parametrize("capability", [80, 90])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_half_precision_kernels_compile_with_vector_access(dtype):
-    rule = OPTIMIZERS["adamw"].cls.rule
-    ptx = tk.compile_for_gpu(rule, dict(rule.defaults), dtype, 90).asm["ptx"]
-    # 16-bit storage: 8 elements per 128-bit access, so half the vectors of fp32
-    assert _count(ptx, r"ld\.global(\.\w+)*\.v4\.b32") == 4 * VECTORS_PER_ARRAY // 2
-    assert _count(ptx, r"st\.global(\.\w+)*\.v4\.b32") == 3 * VECTORS_PER_ARRAY // 2
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_half_precision_kernels_round_to_nearest_with_vector_access(name, dtype, capability):
+    """16-bit storage: loaded and widened exactly, computed in fp32 with IEEE division and root, stored
+    with ``cvt.rn`` (the interpreter truncates fp32 -> bf16 instead: see test_triton_numerics)."""
+    rule = OPTIMIZERS[name].cls.rule
+    group = dict(rule.defaults)
+    n_states = sum(rule.active(group))
+    ptx = tk.compile_for_gpu(rule, group, dtype, capability).asm["ptx"]
+    # 8 elements per 128-bit access, so half the vectors of fp32
+    assert _count(ptx, r"ld\.global(\.\w+)*\.v4\.b32") == (2 + n_states) * VECTORS_PER_ARRAY // 2
+    assert _count(ptx, r"st\.global(\.\w+)*\.v4\.b32") == (1 + n_states) * VECTORS_PER_ARRAY // 2
+    _assert_16bit_stores_round_to_nearest(ptx, dtype)
+    _assert_ieee_arithmetic(ptx, rule)
 
 
 @pytest.mark.parametrize("flat", [False, True])
@@ -228,7 +300,9 @@ def test_grad_scaler_skips_inside_the_kernel_without_reading_found_inf(interpret
     monkeypatch.setattr(spec.cls, "step", watched_step)
     ours_p = [torch.nn.Parameter(torch.randn(4, 3)), torch.nn.Parameter(torch.randn(3))]
     ref_p = clone_params(ours_p)
-    ours, ours_rec = _scaler_run(lambda ps: spec.cls(ps, impl="fused", flat=flat, **opts), ours_p)
+    with record_paths() as paths:
+        ours, ours_rec = _scaler_run(lambda ps: spec.cls(ps, impl="fused", flat=flat, **opts), ours_p)
+    assert paths and set(paths) == {"triton"}  # every step in the kernel: no safe path read found_inf
     _, ref_rec = _scaler_run(lambda ps: reference_class(spec)(ps, **opts, **reference_kwargs(spec)), ref_p)
     assert reads == []
     before, after, _, _ = ours_rec[1]
@@ -243,7 +317,11 @@ def test_grad_scaler_skips_inside_the_kernel_without_reading_found_inf(interpret
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
 def test_kernel_reads_tensor_hyperparameters_from_memory(interpret, name):
     from test_levels_extra import run_with_tensor_hyperparameters
-    floats, tensors = run_with_tensor_hyperparameters(name, "fused")
+    with record_paths() as paths:
+        floats, tensors = run_with_tensor_hyperparameters(name, "fused")
+    # both runs (floats, then tensors) launched the kernel each of their 5 steps; the transposed param
+    # beside it took the foreach level
+    assert paths == ["triton", "foreach"] * 10
     assert_params_close(floats, tensors)
 
 
@@ -265,6 +343,7 @@ def test_kernel_with_scalars_in_memory_keeps_vector_access():
                          options={"num_warps": tk.NUM_WARPS, "enable_fp_fusion": False}).asm["ptx"]
     assert _count(ptx, r"ld\.global(\.\w+)*\.v4\.b32") == 4 * VECTORS_PER_ARRAY
     assert _count(ptx, r"st\.global(\.\w+)*\.v4\.b32") == 3 * VECTORS_PER_ARRAY
+    _assert_ieee_arithmetic(ptx, rule)
 
 
 @pytest.mark.parametrize("flat", [False, True])
@@ -276,6 +355,8 @@ def test_clip_factor_applied_inside_the_kernel(interpret, flat):
     for step in range(1, 4):
         set_grads(step, [ours_p, ref_p], none_every=10 ** 9)
         torch.nn.utils.clip_grad_norm_(ref_p, 0.5)
-        ours.step()
+        with record_paths() as paths:
+            ours.step()
+        assert paths[0] == "triton" and set(paths) <= {"triton", "foreach"}, paths
         ref.step()
         assert_params_close(ours_p, ref_p)

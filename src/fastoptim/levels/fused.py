@@ -1,8 +1,10 @@
 """The fused level: one pass over memory per bucket, no full-size temporaries.
 
 * CUDA (and CPU tensors under ``TRITON_INTERPRET=1``): the generated multi-tensor Triton kernel, one
-  launch per bucket (``triton_kernels``); tensors the kernel cannot take (misaligned, non-contiguous)
-  go through the foreach level, and so does everything on a GPU machine without Triton installed.
+  launch per bucket (``triton_kernels``) for fp32, bf16 and fp16 (complex64 through its real view);
+  tensors the kernel cannot take (misaligned, non-contiguous) and buckets of a dtype it does not take
+  (fp64, complex128) go through the foreach level, and so does everything on a GPU machine without
+  Triton installed.
 * CPU: torch's own fused kernel where the rule names one (Adam, AdamW, SGD, Adagrad); otherwise the
   rule compiled by Inductor into one in-place loop, when the bucket's tensors are large enough to
   amortise a call each (flat buffers always are); otherwise the cache-blocked foreach level.
@@ -63,16 +65,23 @@ def run(rule, bucket: Bucket, group: dict, step: int, scalars: tuple, flags: tup
 def _run_triton(rule, bucket: Bucket, group, step, scalars, flags, grad_mul, found_inf) -> None:
     from . import triton_kernels
 
-    took("triton")
+    if not triton_kernels.takes(bucket.params[0].dtype):  # fp64, complex128's real view: the foreach level
+        return _safe_path(rule, bucket, group, step, scalars, flags, grad_mul, found_inf)
     table = bucket.cache.get("triton_table")
     if table is None:
         table = bucket.cache["triton_table"] = triton_kernels.TensorTable()
     fallback = triton_kernels.run(rule.update, rule.state_names, bucket.params, bucket.grads, bucket.states,
                                   scalars, flags, table, grad_mul=grad_mul, found_inf=found_inf)
     if fallback:
-        if found_inf is not None and found_inf.item() != 0:  # the safe path cannot skip by itself
-            return
-        foreach.run(rule, _subset(bucket, fallback), group, step, scalars, flags, grad_mul)
+        _safe_path(rule, _subset(bucket, fallback), group, step, scalars, flags, grad_mul, found_inf)
+
+
+def _safe_path(rule, bucket: Bucket, group, step, scalars, flags, grad_mul, found_inf) -> None:
+    """The foreach level for what the kernel does not take; it cannot skip by itself, so found_inf is read
+    on the host here (one sync, only for such tensors)."""
+    if found_inf is not None and found_inf.item() != 0:
+        return
+    foreach.run(rule, bucket, group, step, scalars, flags, grad_mul)
 
 
 def _subset(bucket: Bucket, indices: list[int]) -> Bucket:

@@ -1,7 +1,7 @@
 """The fused level on GPUs: one Triton kernel launch per bucket, for any number of tensors.
 
-The rule's own ``update`` is the math: ``triton_twin`` re-binds its code object to Triton's primitives
-and jits it, so every level runs one source. Around it, ``kernel_for`` generates a multi-tensor kernel
+The rule's own ``update`` is the math: ``triton_twin`` re-binds its source to Triton's primitives and
+jits it, so every level runs one source. Around it, ``kernel_for`` generates a multi-tensor kernel
 for the rule's arity:
 
 * a tensor table in device memory (int64 rows: numel, then the addresses of p, g and each state) and a
@@ -13,14 +13,27 @@ for the rule's arity:
   kernel (scale the grads; skip when inf), so
   ``torch.amp.GradScaler`` needs no host sync; hyper-parameters held as device tensors (an lr a
   schedule writes in place) are read from memory the same way.
-The arithmetic runs in fp32 whatever the storage dtype.
+The arithmetic runs in fp32 whatever the storage dtype, and it is the arithmetic the rule means:
+Triton compiles ``/`` to the approximate ``div.full.f32`` (up to 2 ulp), so the twin's source is rewritten
+to call ``tl.div_rn`` (IEEE division, ``div.rn.f32``) wherever the rule writes ``/``; ``sqrt`` is
+``tl.sqrt_rn`` (``sqrt.rn.f32``); kernels are built without FMA contraction. 16-bit stores round to nearest
+(``cvt.rn``). The PTX tests check all of it for sm_80 and sm_90.
+
+Dtypes: the kernel takes fp32, bf16 and fp16 storage (``TORCH_TO_TL``), complex64 through its fp32 real
+view. fp64 buckets (complex128's real view too) and any other dtype go to the foreach level, which is
+exact in the param's own dtype (``takes(dtype)`` says which; the fused level routes, and ``record_paths``
+names "foreach" for them): an fp64 kernel would need fp64 scalars passed through memory (Triton passes
+Python floats as fp32) and its own IEEE division and root (``tl.div_rn`` and ``tl.sqrt_rn`` take fp32
+only), for a dtype that GPU training hardly uses.
 """
 
 from __future__ import annotations
 
+import ast
+import inspect
 import linecache
 import os
-import types
+import textwrap
 from functools import lru_cache
 from typing import Callable, Sequence
 
@@ -30,7 +43,7 @@ import triton.language as tl
 from torch import Tensor
 from triton.runtime.jit import JITFunction
 
-from . import pack_scalars
+from . import pack_scalars, took
 
 CHUNK = 1 << 16
 BLOCK = 1024
@@ -38,6 +51,11 @@ NUM_WARPS = 4
 ALIGN = 16  # bytes: what the kernel's multiple_of hints promise about every address
 
 TORCH_TO_TL = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+
+
+def takes(dtype: torch.dtype) -> bool:
+    """Whether the kernel takes tensors of ``dtype`` (the rest go to the foreach level)."""
+    return dtype in TORCH_TO_TL
 
 
 # --- the rule's primitives, as Triton spells them ---------------------------------------------------
@@ -73,11 +91,56 @@ def _prims(interpret: bool) -> dict:
     return {"sqrt": _jit(_sqrt, interpret), "sign": _jit(_sign, interpret), "maximum": _jit(_maximum, interpret)}
 
 
+class _IEEEDivision(ast.NodeTransformer):
+    """``a / b`` becomes ``tl.div_rn(a, b)`` (and ``a /= b`` becomes ``a = tl.div_rn(a, b)``): the operator
+    cannot be re-bound through globals, and Triton's own ``/`` is the approximate ``div.full.f32``."""
+
+    @staticmethod
+    def _div(a: ast.expr, b: ast.expr) -> ast.Call:
+        return ast.Call(ast.Attribute(ast.Name("tl", ast.Load()), "div_rn", ast.Load()), [a, b], [])
+
+    def visit_BinOp(self, node: ast.BinOp) -> ast.expr:
+        self.generic_visit(node)
+        return ast.copy_location(self._div(node.left, node.right), node) if isinstance(node.op, ast.Div) else node
+
+    def visit_AugAssign(self, node: ast.AugAssign) -> ast.stmt:
+        self.generic_visit(node)
+        if not isinstance(node.op, ast.Div):
+            return node
+        if not isinstance(node.target, ast.Name):
+            raise TypeError("a rule may only divide-assign plain names (x /= y)")
+        value = self._div(ast.Name(node.target.id, ast.Load()), node.value)
+        return ast.copy_location(ast.Assign([ast.Name(node.target.id, ast.Store())], value), node)
+
+
+def twin_source(update: Callable) -> str:
+    """The rule's source as the Triton twin runs it: the same code, with IEEE division spelled out."""
+    if update.__code__.co_freevars:
+        raise TypeError(f"{update.__qualname__}: a rule's update is a plain module-level function (no closure)")
+    tree = ast.parse(textwrap.dedent(inspect.getsource(update)))
+    fn = tree.body[0]
+    fn.decorator_list = []
+    tree = ast.fix_missing_locations(_IEEEDivision().visit(tree))
+    return ast.unparse(tree) + "\n"
+
+
+def _exec_source(source: str, filename: str, name: str, globs: dict) -> Callable:
+    """Define ``name`` from ``source``, kept in linecache so Triton (which re-reads a jitted function's source),
+    tracebacks and ``inspect`` can read it."""
+    linecache.cache[filename] = (len(source), None, source.splitlines(keepends=True), filename)
+    namespace: dict = {}
+    exec(compile(source, filename, "exec"), globs, namespace)
+    return namespace[name]
+
+
 @lru_cache(maxsize=None)
 def triton_twin(update: Callable, interpret: bool = False):
-    """The rule's ``update`` with the same code object, its primitives swapped for Triton's."""
+    """The rule's ``update`` for Triton: its own source, primitives swapped for Triton's, ``/`` for IEEE
+    division (``twin_source``). The torch levels keep running the original."""
     globs = {**update.__globals__, **_prims(interpret), "tl": tl}  # the interpreter patches the tl it finds
-    clone = types.FunctionType(update.__code__, globs, update.__name__, update.__defaults__, update.__closure__)
+    filename = f"<fastoptim-twin {update.__module__}.{update.__qualname__}>"
+    clone = _exec_source(twin_source(update), filename, update.__name__, globs)
+    clone.__defaults__ = update.__defaults__
     clone.__qualname__ = f"{update.__qualname__}_triton"
     clone.__module__ = update.__module__
     return _jit(clone, interpret)
@@ -157,12 +220,8 @@ def kernel_for(update: Callable, state_names: tuple[str, ...], active: tuple[boo
         full_body=_body(state_names, active, n_scalars, n_flags, False, " " * 8),
         tail_body=_body(state_names, active, n_scalars, n_flags, True, " " * 4),
     )
-    filename = f"<fastoptim-kernel {name}>"
-    lines = source.splitlines(keepends=True)
-    linecache.cache[filename] = (len(source), None, lines, filename)
-    namespace = {"tl": tl, "triton": triton, "UPDATE": triton_twin(update, interpret)}
-    exec(compile(source, filename, "exec"), namespace)
-    fn = namespace[name]
+    globs = {"tl": tl, "triton": triton, "UPDATE": triton_twin(update, interpret)}
+    fn = _exec_source(source, f"<fastoptim-kernel {name}>", name, globs)
     fn.__module__ = __name__
     fn.__qualname__ = name
     return _jit(fn, interpret)
@@ -209,12 +268,14 @@ def kernel_ready(t: Tensor) -> bool:
 def run(update: Callable, state_names: tuple[str, ...], params: list[Tensor], grads: list[Tensor],
         states: Sequence[list[Tensor] | None], scalars: tuple, flags: tuple, table: TensorTable,
         grad_mul: Tensor | None = None, found_inf: Tensor | None = None) -> list[int]:
-    """One launch for the whole bucket; returns the indices of the tensors it left to a safe path."""
+    """One launch for the whole bucket (of a dtype the kernel ``takes``); returns the indices of the tensors
+    it left to a safe path."""
     active = tuple(s is not None for s in states)
     kernel = kernel_for(update, state_names, active, len(scalars), len(flags), interpreting())
     # inactive states get the param's address: never read, keeps every row the same length
     table.update([params, grads] + [s if s is not None else params for s in states])
     if table.n_chunks:
+        took("triton")
         dummy = table.table  # any pointer: unused when the flags that name it are off
         in_memory = any(isinstance(c, Tensor) for c in scalars)
         packed = pack_scalars(scalars, params[0].device) if in_memory else dummy
