@@ -53,6 +53,15 @@ def set_grads(step, param_sets, seed=1, none_every=3):
 
 
 @pytest.fixture(autouse=True)
+def _compiled_level_compiles_small_buckets(monkeypatch):
+    """The compiled level runs buckets of small tensors on the foreach level (a speed choice). The tests'
+    params are small, so the threshold is 0 here and the compiled level's own path is what they test;
+    test_compiled_level_routes_small_buckets_to_foreach checks the routing itself."""
+    from fastoptim.levels import compiled
+    monkeypatch.setattr(compiled, "ROUTE_BELOW_MEAN_NUMEL", 0)
+
+
+@pytest.fixture(autouse=True)
 def _deterministic():
     torch.manual_seed(0)
     yield

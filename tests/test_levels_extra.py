@@ -236,3 +236,57 @@ def test_tensor_hyperparameters_match_floats(name, level):
 def test_tensor_hyperparameter_must_hold_one_float():
     with pytest.raises(TypeError, match="lr as a tensor"):
         fastoptim.Adam(make_params(), lr=torch.tensor([1e-3, 1e-3]))
+
+
+def test_compiled_level_routes_small_buckets_to_foreach_and_says_so(monkeypatch):
+    from fastoptim.levels import compiled, record_paths
+    monkeypatch.setattr(compiled, "ROUTE_BELOW_MEAN_NUMEL", 1 << 14)
+    monkeypatch.setattr(compiled, "_routed", set())
+    g = torch.Generator().manual_seed(0)
+    base_p = [torch.nn.Parameter(torch.randn(s, generator=g)) for s in [(64, 64), (64,)] * 20]
+    ours_p = clone_params(base_p)
+    base = OPTIMIZERS["lion"].cls(base_p, impl="loop", lr=1e-2)
+    ours = OPTIMIZERS["lion"].cls(ours_p, impl="compiled", lr=1e-2)
+    for step in range(1, 3):
+        for a, b in zip(base_p, ours_p):
+            a.grad = torch.randn(a.shape, generator=g)
+            b.grad = a.grad.clone()
+        base.step()
+        with pytest.warns(RuntimeWarning, match="impl='compiled' runs lion on the foreach level") if step == 1 \
+                else __import__("contextlib").nullcontext(), record_paths() as paths:
+            ours.step()
+        assert paths == ["foreach"]
+    assert_params_close(ours_p, base_p)
+    big = [torch.nn.Parameter(torch.randn(1 << 15, generator=g))]  # large tensors: the compiled path itself
+    opt = OPTIMIZERS["lion"].cls(big, impl="compiled", lr=1e-2)
+    big[0].grad = torch.randn(1 << 15, generator=g)
+    with record_paths() as paths:
+        opt.step()
+    assert paths == ["compiled"]
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_foreach_gathers_blocks_of_small_tensors_with_the_loop_levels_numbers(name, monkeypatch):
+    """Many small CPU tensors run gathered into one tensor per role per cache block: the same elementwise
+    math on the same values, so the same bits as the loop level; and the gathered path did run."""
+    from fastoptim.levels import foreach
+    calls = []
+    real = foreach._apply_gathered
+    monkeypatch.setattr(foreach, "_apply_gathered", lambda *a: calls.append(len(a[1])) or real(*a))
+    spec = OPTIMIZERS[name]
+    opts = spec.option_sets[-1]
+    g = torch.Generator().manual_seed(1)
+    base_p = [torch.nn.Parameter(torch.randn(s, generator=g)) for s in [(64, 64), (64,), (), (0,), (7, 3)] * 30]
+    base_p.append(torch.nn.Parameter(torch.randn(9, 40, generator=g).t()))  # a strided one among them
+    ours_p = clone_params(base_p)
+    base = spec.cls(base_p, impl="loop", **opts)
+    ours = spec.cls(ours_p, impl="foreach", **opts)
+    for _ in range(3):
+        for a, b in zip(base_p, ours_p):
+            a.grad = torch.randn(a.shape, generator=g)
+            b.grad = a.grad.clone()
+        base.step()
+        ours.step()
+    assert calls and max(calls) >= foreach.GATHER_MIN_TENSORS
+    for a, b in zip(ours_p, base_p):
+        assert torch.equal(a, b)

@@ -74,12 +74,13 @@ def scaled_grads(grads: list[Tensor], grad_mul: Tensor | None) -> list[Tensor]:
     return torch._foreach_mul(grads, grad_mul)
 
 
-def pack_scalars(scalars: tuple, device: torch.device) -> Tensor:
-    """The step's scalars as one float32 tensor on ``device``; tensor-valued ones (an lr kept on the device)
-    are gathered there without a trip through the host."""
+def pack_scalars(scalars: tuple, device: torch.device, dtype: torch.dtype = torch.float32) -> Tensor:
+    """The step's scalars as one tensor on ``device`` (float32; float64 for float64 buckets, so they keep
+    their precision); tensor-valued ones (an lr kept on the device) are gathered there without a trip
+    through the host."""
     if not any(isinstance(s, Tensor) for s in scalars):
-        return torch.tensor(scalars, dtype=torch.float32).to(device, non_blocking=True)
-    return torch.stack([torch.as_tensor(s, dtype=torch.float32, device=device).reshape(()) for s in scalars])
+        return torch.tensor(scalars, dtype=dtype).to(device, non_blocking=True)
+    return torch.stack([torch.as_tensor(s, dtype=dtype, device=device).reshape(()) for s in scalars])
 
 
 @lru_cache(maxsize=None)

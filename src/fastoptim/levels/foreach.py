@@ -15,6 +15,9 @@ from torch import Tensor
 from . import Bucket, scaled_grads, took
 from .blocking import blocks
 
+# a CPU block of at least this many tensors runs gathered into one tensor per role (``_apply_gathered``)
+GATHER_MIN_TENSORS = 4
+
 
 class TensorList:
     __slots__ = ("tensors",)
@@ -63,14 +66,31 @@ class TensorList:
 
 def apply(update: Callable, params: list[Tensor], grads: list[Tensor], states: Sequence[list[Tensor] | None],
           scalars: tuple, flags: tuple) -> None:
-    parts = blocks(params, grads, states) if params[0].device.type == "cpu" else [(params, grads, states)]
+    cpu = params[0].device.type == "cpu"
+    parts = blocks(params, grads, states) if cpu else [(params, grads, states)]
     for ps, gs, ss in parts:
+        if cpu and len(ps) >= GATHER_MIN_TENSORS:
+            _apply_gathered(update, ps, gs, ss, scalars, flags)
+            continue
         wrapped = [None if s is None else TensorList(s) for s in ss]
         new_p, *new_states = update(TensorList(ps), TensorList(gs), *wrapped, *scalars, *flags)
         torch._foreach_copy_(ps, new_p.tensors)
         for s, new in zip(ss, new_states):
             if s is not None:
                 torch._foreach_copy_(s, new.tensors)
+
+
+def _apply_gathered(update: Callable, ps: list[Tensor], gs: list[Tensor], ss: Sequence[list[Tensor] | None],
+                    scalars: tuple, flags: tuple) -> None:
+    """A cache-sized block of many small tensors: each role gathered into one contiguous tensor, the rule
+    run once on those, the results scattered back. Elementwise math on the same values in the same
+    dtype: the numbers are the ones the per-list path gives, without a temporary per tensor per operator."""
+    flatten, unflatten = torch._C._nn.flatten_dense_tensors, torch._C._nn.unflatten_dense_tensors
+    new_p, *new_states = update(flatten(ps), flatten(gs), *[None if s is None else flatten(s) for s in ss],
+                                *scalars, *flags)
+    for targets, new in zip([ps, *ss], [new_p, *new_states]):
+        if targets is not None:
+            torch._foreach_copy_(targets, unflatten(new, targets))
 
 
 def run(rule, bucket: Bucket, group: dict, step: int, scalars: tuple, flags: tuple, grad_mul=None) -> None:
