@@ -360,3 +360,17 @@ def test_clip_factor_applied_inside_the_kernel(interpret, flat):
         assert paths[0] == "triton" and set(paths) <= {"triton", "foreach"}, paths
         ref.step()
         assert_params_close(ours_p, ref_p)
+
+
+def test_table_refuses_a_grad_of_another_dtype_even_at_the_same_address():
+    """torch's grad_dtype lets a grad differ from its param; the kernel reads every row in the param's dtype,
+    so such a grad goes to the safe path, also when it took the address of last step's grad."""
+    params = [torch.randn(64), torch.randn(32)]
+    grads = [torch.randn(64), torch.randn(32)]
+    table = tk.TensorTable()
+    table.update([params, grads])
+    assert table.fallback == []
+    table.update([params, [grads[0], grads[1].view(torch.int32)]])  # same address, another dtype
+    assert table.fallback == [1]
+    table.update([params, [grads[0], torch.randn(16)]])  # another size
+    assert table.fallback == [1]

@@ -243,11 +243,14 @@ class TensorTable:
         self.fallback: list[int] = []
 
     def update(self, columns: list[list[Tensor]]) -> None:
+        # addresses, and the grads' dtypes: a grad may be freed and a new one of another dtype (torch's
+        # grad_dtype) take its address; params and states are checked against their params by the step plan
         key = [t.data_ptr() for col in columns for t in col]
+        key += [g.dtype for g in columns[1]]
         if key == self.key:
             return
         n = len(columns[0])
-        ready = [i for i in range(n) if all(kernel_ready(col[i]) for col in columns)]
+        ready = [i for i in range(n) if all(kernel_ready(col[i], columns[0][i]) for col in columns)]
         ready_set = set(ready)
         self.fallback = [i for i in range(n) if i not in ready_set]
         rows = [[columns[0][i].numel(), *(col[i].data_ptr() for col in columns)] for i in ready]
@@ -260,9 +263,11 @@ class TensorTable:
         self.key = key
 
 
-def kernel_ready(t: Tensor) -> bool:
-    """What the kernel assumes of a tensor: contiguous and 16-byte aligned."""
-    return t.is_contiguous() and t.data_ptr() % ALIGN == 0
+def kernel_ready(t: Tensor, param: Tensor) -> bool:
+    """What the kernel assumes of a tensor: contiguous, 16-byte aligned, and its param's dtype and size
+    (one element type and one length per table row)."""
+    return (t.is_contiguous() and t.data_ptr() % ALIGN == 0 and t.dtype == param.dtype
+            and t.numel() == param.numel())
 
 
 def run(update: Callable, state_names: tuple[str, ...], params: list[Tensor], grads: list[Tensor],
