@@ -1,11 +1,11 @@
 """FastOptimizer: torch.optim.Optimizer's surface, one rule's math, a level that runs it.
 
-A step validates every group before it touches anything (bad hyper-parameters or sparse grads leave
-params and state as they were), then, per group, buckets the params that have a grad by
-(device, dtype, step) and hands each bucket to the level with the host scalars of that step.
-Per-param ``step`` counters (for the optimizers torch keeps one for) live in ``state`` as Python ints:
-no per-param tensor ops, no host syncs. ``state_dict()`` writes them as torch.optim does (0-d float
-tensors) and ``load_state_dict`` reads both.
+A step validates every group and plans its buckets (``plan``: params of one device, dtype and step count,
+with their state tensors) before it touches anything, so bad hyper-parameters, sparse grads or a bad
+state tensor leave params and state as they were; then it commits the plan (new states in place, step
+counts advanced) and hands each bucket to the level with the host scalars of its step. The plan is
+reused while nothing it was built from changes (``plan`` says what that is). ``state_dict()`` writes the
+step counters as torch.optim does (0-d float tensors) and ``load_state_dict`` reads both.
 
 With ``flat=True`` each group's params, grads and states live in one buffer per (device, dtype)
 (``flat.FlatBucket``) and a step is one pass over those buffers.
@@ -14,7 +14,7 @@ torch.amp.GradScaler hands the step ``grad_scale`` and ``found_inf`` (``_step_su
 a step with inf/NaN grads changes nothing; otherwise grads are unscaled inside the update, together with
 the clip factor of ``max_grad_norm`` (global norm of the unscaled grads, one multi-tensor reduction). The fused
 GPU kernels read ``found_inf`` themselves (no host sync): the step is counted optimistically and taken
-back at the next step if the flag was set; other levels read the flag first.
+back when the flag is read, at the next step or when ``state`` is read; other levels read the flag first.
 """
 
 from __future__ import annotations
