@@ -18,6 +18,7 @@ precision on the host as torch.optim does, so every level rounds the same number
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Any, Callable, ClassVar
 
 import torch
@@ -61,15 +62,32 @@ def steps_list(step: int, params: list) -> list:
 
 # --- shared validation helpers: each names the argument it rejects -----------------------------
 
+# Device tensors already range-checked once (by id; the weak value tells a live tensor from a reused id).
+_seen_on_device: "weakref.WeakValueDictionary[int, torch.Tensor]" = weakref.WeakValueDictionary()
+
+
 def _number(name: str, value: Any) -> float | None:
-    """The value as a float, or None for a one-element float tensor: a tensor hyper-parameter (an lr a
-    schedule writes on the device) is not read back to the host, so its range is the writer's duty."""
+    """The value as a float; None where a tensor's value is not read here.
+
+    A tensor hyper-parameter must hold one floating-point value (torch.optim raises ``ValueError`` for a
+    tensor lr of another size, and so does every argument here). Its value is range-checked like a float's
+    where reading it costs nothing: a CPU tensor on every check, a tensor on an accelerator once, when first
+    seen (at construction, where torch.optim reads it too). Later in-place writes to a device tensor (an lr a
+    schedule writes on the GPU) are not read back, since that would sync every step: their range is the
+    writer's duty. Inside a torch.compile trace, and on the meta device, nothing is read."""
     if isinstance(value, torch.Tensor):
-        if value.numel() != 1 or not value.is_floating_point():
-            raise TypeError(f"{name} as a tensor must hold one floating-point value, got shape "
-                            f"{tuple(value.shape)} and dtype {value.dtype}")
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        if value.numel() != 1:
+            raise ValueError(f"Tensor {name} must be 1-element, got shape {tuple(value.shape)}")
+        if not value.is_floating_point():
+            raise TypeError(f"{name} as a tensor must hold one floating-point value, got dtype {value.dtype}")
+        if torch.compiler.is_compiling() or value.is_meta:
+            return None
+        if value.device.type != "cpu":
+            if _seen_on_device.get(id(value)) is value:
+                return None
+            _seen_on_device[id(value)] = value
+        value = value.item()
+    elif isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name} must be a number, got {type(value).__name__}: {value!r}")
     if math.isnan(value):
         raise ValueError(f"Invalid {name}: {value} (must not be NaN)")
@@ -99,6 +117,8 @@ def check_betas(group: dict) -> None:
     betas = group["betas"]
     if not isinstance(betas, (tuple, list)) or len(betas) != 2:
         raise ValueError(f"Invalid betas: {betas!r} (must be a pair (beta1, beta2))")
+    if isinstance(betas[0], torch.Tensor) != isinstance(betas[1], torch.Tensor):
+        raise ValueError(f"betas must be either both floats or both Tensors, got {betas!r}")  # torch's rule
     for i, beta in enumerate(betas):
         check_unit_interval(f"beta{i + 1} (betas[{i}])", beta)
 
