@@ -7,7 +7,7 @@ from conftest import (CASES, MATRIX, assert_params_close, assert_state_close, cl
                       two_groups)
 from fastoptim.levels import LEVELS
 from fastoptim.registry import OPTIMIZERS
-from fastoptim.reference import reference_class, reference_kwargs
+from fastoptim.reference import ReferenceLion, reference_class, reference_kwargs
 
 STEPS = 20
 
@@ -122,6 +122,29 @@ def test_lion_reference_is_not_trivially_equal():
         a.step()
         b.step()
     assert any(not torch.allclose(x, y) for x, y in zip(a_p, b_p) if x.numel())
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_lion_levels_compute_the_fp32_published_loop_and_differ_from_float64_by_sign_flips(level):
+    """Why Lion's exactness oracle is the published loop in the param dtype, and float64 only a closeness one
+    (``fastoptim curves``): where b1*m + (1-b1)*g is within a rounding of 0, float32 and float64 give it
+    different signs and the weight moves 2*lr apart. After a first step with g = 100, m = 1 exactly; then
+    g = -9 makes b1*m + (1-b1)*g exactly 0 in real arithmetic, 0.9f - 0.90000004f = -6e-8 in float32 and
+    +2e-16 in float64. lr = 2^-10 keeps every other rounding out of the way."""
+    lr = 2.0 ** -10
+
+    def run(make):
+        p = torch.nn.Parameter(torch.zeros(3))
+        opt = make([p])
+        for grad in ([100.0, 100.0, 100.0], [-9.0, 1.0, -1.0]):
+            p.grad = torch.tensor(grad)
+            opt.step()
+        return p.detach()
+    ours = run(lambda ps: OPTIMIZERS["lion"].cls(ps, impl=level, lr=lr))
+    fp32 = run(lambda ps: ReferenceLion(ps, lr=lr, compute_dtype=None))
+    fp64 = run(lambda ps: ReferenceLion(ps, lr=lr))
+    assert torch.equal(ours, fp32), (ours, fp32)
+    assert fp32.tolist() == [0.0, -2 * lr, -2 * lr] and fp64.tolist() == [-2 * lr, -2 * lr, -2 * lr], (fp32, fp64)
 
 
 @pytest.mark.parametrize("level", LEVELS)
