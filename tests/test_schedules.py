@@ -93,10 +93,34 @@ def test_warmup_cosine_is_nanogpts_get_lr():
     _close(_our_lrs(fs.warmup_cosine(warmup, decay, min_factor=0.1)), [get_lr(i) for i in range(STEPS)])
 
 
-def test_inverse_sqrt_and_wsd_match_their_formulas():
-    w = 400
-    ref = [LR * ((i + 1) / w if i + 1 < w else math.sqrt(w / (i + 1))) for i in range(STEPS)]
-    _close(_our_lrs(fs.inverse_sqrt(w)), ref)
+def test_inverse_sqrt_is_the_transformer_schedule():
+    """Vaswani et al. 2017, "Attention Is All You Need", section 5.3:
+        lrate = d_model^-0.5 * min(step_num^-0.5, step_num * warmup_steps^-1.5),
+    with step_num counted from 1 (the first training step). Its peak is at step_num = warmup_steps, where both
+    terms equal warmup_steps^-0.5. ``inverse_sqrt`` is that curve divided by its peak (so it multiplies the
+    group's lr), and a scheduler's epoch e is the step the optimizer takes next, step_num = e + 1. The oracle
+    is the paper's formula under torch's LambdaLR, and values worked out by hand."""
+    warmup, d_model = 400, 512
+
+    def lrate(step_num):
+        return d_model ** -0.5 * min(step_num ** -0.5, step_num * warmup ** -1.5)
+    peak = lrate(warmup)
+    ours = _our_lrs(fs.inverse_sqrt(warmup))
+    _close(ours, _torch_lrs(lambda o: S.LambdaLR(o, lambda epoch: lrate(epoch + 1) / peak)))
+    by_hand = {   # epoch: lr, with LR = 0.1 and warmup = 400
+        0: 0.1 * 1 / 400,            # step_num 1, warming up: 1 * 400^-1.5 / 400^-0.5 = 1/400
+        199: 0.1 * 200 / 400,        # step_num 200: halfway up, 0.05
+        399: 0.1,                    # step_num 400 = warmup: the peak, the group's lr itself
+        899: 0.1 * (2 / 3),          # step_num 900: (400 / 900)^0.5 = 20/30
+        1599: 0.1 * 0.5,             # step_num 1600 = 4 * warmup: 4^-0.5 = 1/2
+        2499: 0.1 * 0.4,             # step_num 2500: (400 / 2500)^0.5 = 20/50
+    }
+    for epoch, lr in by_hand.items():
+        assert math.isclose(ours[epoch], lr, rel_tol=1e-12), (epoch, ours[epoch], lr)
+    assert max(ours) == ours[399]  # one peak, at the end of the warmup
+
+
+def test_wsd_matches_its_formula():
     warm, stable, decay = 200, 1800, 1000
 
     def wsd(i):
