@@ -67,6 +67,7 @@ class UserProgram(RuleBasedStateMachine):
         self.ref = reference_class(spec)(self._groups(self.ref_p), **self.opts, **reference_kwargs(spec))
         self.scalers = None
         self.added = 0
+        self.defer_check = False
 
     def _groups(self, params):
         return [{"params": params[:2]}, {"params": params[2:], "lr": self.opts.get("lr", 1e-3) * 0.5}]
@@ -96,10 +97,11 @@ class UserProgram(RuleBasedStateMachine):
             b.grad = g.clone()
         return present
 
-    def _step(self, step_ours, step_ref):
+    def _step(self, step_ours, step_ref, skipped=False):
         with record_paths() as paths:
             step_ours()
-        _fresh_state_like_torch_init(self.ref, self.spec)
+        if not skipped:  # (torch's GradScaler does not call a step it skips)
+            _fresh_state_like_torch_init(self.ref, self.spec)
         step_ref()
         if self.expected_path and paths:
             assert self.expected_path in paths, paths
@@ -109,18 +111,20 @@ class UserProgram(RuleBasedStateMachine):
         self._set_grads(data)
         self._step(self.ours.step, self.ref.step)
 
-    @rule(data=st.data(), inf=st.booleans())
-    def grad_scaler_step(self, data, inf):
+    @rule(data=st.data(), inf=st.booleans(), defer=st.booleans())
+    def grad_scaler_step(self, data, inf, defer):
         if self.scalers is None:  # growth every 2 good steps: the scale moves both ways
             self.scalers = [torch.amp.GradScaler("cpu", init_scale=2.0 ** 6, growth_interval=2) for _ in range(2)]
             for s in self.scalers:
                 s.scale(torch.ones(()))
         ours_s, ref_s = self.scalers
         self._set_grads(data, scale=ours_s.get_scale(), inf=inf, at_least_one=True)
-        self._step(lambda: ours_s.step(self.ours), lambda: ref_s.step(self.ref))
+        self._step(lambda: ours_s.step(self.ours), lambda: ref_s.step(self.ref), skipped=inf)
         ours_s.update()
         ref_s.update()
         assert ours_s.get_scale() == ref_s.get_scale()
+        # reading state takes a kernel-skipped step back at once; not reading it leaves that to the next step
+        self.defer_check = defer
 
     @rule(group=st.integers(0, 9), lr_factor=st.sampled_from([0.5, 2.0]), weight_decay=st.sampled_from([0.0, 0.05]))
     def change_hyperparameters(self, group, lr_factor, weight_decay):
@@ -196,6 +200,9 @@ class UserProgram(RuleBasedStateMachine):
 
     @invariant()
     def params_and_state_agree(self):
+        if self.defer_check:
+            self.defer_check = False
+            return
         for i, (a, b) in enumerate(zip(self.ours_p, self.ref_p)):
             torch.testing.assert_close(a.detach(), b.detach(), atol=ATOL, rtol=RTOL, msg=lambda m: f"param {i}: {m}")
             ours, ref = self.ours.state.get(a) or {}, self.ref.state.get(b) or {}

@@ -374,3 +374,13 @@ def test_table_refuses_a_grad_of_another_dtype_even_at_the_same_address():
     assert table.fallback == [1]
     table.update([params, [grads[0], torch.randn(16)]])  # another size
     assert table.fallback == [1]
+
+
+def test_table_refuses_a_strided_grad_at_last_steps_address():
+    params = [torch.randn(4, 4)]
+    buffer = torch.randn(4, 4)
+    table = tk.TensorTable()
+    table.update([params, [buffer]])
+    assert table.fallback == []
+    table.update([params, [buffer.t()]])  # the same address, transposed
+    assert table.fallback == [0]

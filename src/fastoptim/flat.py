@@ -17,12 +17,9 @@ _grad = operator.attrgetter("grad")
 
 class FlatBucket:
     def __init__(self, params: list[Tensor]):
+        self.check(params)
         self.params = params
         p0 = params[0]
-        if any(type(p.data) is not torch.Tensor for p in params):
-            raise ValueError("flat=True needs plain tensors; sharded (DTensor, FSDP2) params keep flat=False")
-        if not (p0.is_floating_point() and all(p.dtype == p0.dtype and p.device == p0.device for p in params)):
-            raise ValueError("flat=True needs real floating-point params of one dtype and device per bucket")
         self.numels = [p.numel() for p in params]
         total = sum(self.numels)
         self.param_buffer = torch.empty(total, dtype=p0.dtype, device=p0.device)
@@ -35,8 +32,18 @@ class FlatBucket:
             p.data = pv
             p.grad = gv
         self.grad_views = grad_views
+        self.param_views = param_views
         self.state_buffers: dict[str, Tensor] = {}
         self._state_views: dict[str, list[Tensor]] = {}
+
+    @staticmethod
+    def check(params: list[Tensor]) -> None:
+        """What flat mode needs of a bucket's params (raised before anything is moved)."""
+        p0 = params[0]
+        if any(type(p.data) is not torch.Tensor for p in params):
+            raise ValueError("flat=True needs plain tensors; sharded (DTensor, FSDP2) params keep flat=False")
+        if not (p0.is_floating_point() and all(p.dtype == p0.dtype and p.device == p0.device for p in params)):
+            raise ValueError("flat=True needs real floating-point params of one dtype and device per bucket")
 
     @property
     def device(self) -> torch.device:
@@ -60,8 +67,10 @@ class FlatBucket:
         return views
 
     def rehome(self) -> None:
-        """Make the params views of the buffer again (a deep copy clones each Parameter on its own)."""
-        for p, view in zip(self.params, self.views(self.param_buffer)):
+        """Make the params views of the buffer again: a deep copy clones each Parameter on its own, and a
+        user may have replaced ``p.data`` (its new values are copied in)."""
+        self.param_views = self.views(self.param_buffer)
+        for p, view in zip(self.params, self.param_views):
             if p.data_ptr() != view.data_ptr():
                 view.copy_(p.detach())
                 p.data = view

@@ -88,6 +88,8 @@ class FastOptimizer(torch.optim.Optimizer):
 
     @state.setter
     def state(self, value) -> None:
+        """A new mapping (``opt.state = defaultdict(dict)`` resets the optimizer). Its per-param dicts stay
+        the objects you hold; only the mapping itself is wrapped."""
         if self.__dict__.get("_pending_skips"):
             self._resolve_skips()
         self._state = plan.as_state_map(value)
@@ -104,12 +106,17 @@ class FastOptimizer(torch.optim.Optimizer):
         for k, v in self.defaults.items():
             candidate.setdefault(k, v)
         self.rule.validate(candidate)
+        if self.flat:  # checked before torch adds the group: a refused group leaves no trace
+            params = param_group["params"]
+            param_group["params"] = params = [params] if isinstance(params, Tensor) else list(params)
+            by_key: dict[tuple, list[Tensor]] = {}
+            for p in params:
+                by_key.setdefault((p.device, p.dtype), []).append(p)
+            for ps in by_key.values():
+                FlatBucket.check(ps)
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         if self.flat:
-            by_key: dict[tuple, list[Tensor]] = {}
-            for p in group["params"]:
-                by_key.setdefault((p.device, p.dtype), []).append(p)
             self._flat_buckets.append([FlatBucket(ps) for ps in by_key.values()])
         if self.rule.eager_state:
             for p in group["params"]:
@@ -172,13 +179,8 @@ class FastOptimizer(torch.optim.Optimizer):
 
     def _run_plan(self, index: int, step_plan: plan.Plan, group: dict, grads: list[Tensor] | None,
                   amp: "_Amp") -> None:
-        if step_plan.pending or self._plans.get(index) is not step_plan:
+        if self._plans.get(index) is not step_plan:  # a new plan (its buckets' level caches start empty)
             step_plan.commit()
-            old = self._plans.get(index)
-            if old is not None:  # the level's caches (tensor tables) carry over to an unchanged bucket
-                caches = {(b.key, tuple(map(id, b.params))): b.cache for b in old.buckets}
-                for b in step_plan.buckets:
-                    b.cache = caches.get((b.key, tuple(map(id, b.params))), b.cache)
             if step_plan.reusable:
                 self._plans[index] = step_plan
             else:
@@ -297,7 +299,7 @@ class FastOptimizer(torch.optim.Optimizer):
         self.__dict__["_pending_skips"] = []  # they speak of the state being replaced
         super().__setstate__(state)
         if "state" in self.__dict__:  # torch writes the loaded state straight into __dict__
-            self.state = self.__dict__.pop("state")
+            self._state = plan.as_state_map(self.__dict__.pop("state"), adopt=True)
         # unpickled or deep-copied objects come without the step-to-step caches: start them afresh
         self.__dict__.setdefault("impl", "auto")
         self.__dict__.setdefault("flat", False)

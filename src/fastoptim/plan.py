@@ -93,18 +93,20 @@ class StateDict(dict):
 
 
 class StateMap(defaultdict):
-    """``optimizer.state``: a ``defaultdict(dict)`` whose values are ``StateDict``s, counting changes."""
+    """``optimizer.state``: a ``defaultdict(dict)`` that counts its changes. The states it makes itself are
+    ``StateDict``s, which count theirs; a dict you put in stays yours (the same object, as in torch), and
+    the plan of a group holding one is made afresh every step, since its changes are not counted.
+    ``adopt=True`` (loading a checkpoint) makes every plain dict a ``StateDict``."""
 
-    def __init__(self, items: Any = ()):
+    def __init__(self, items: Any = (), *, adopt: bool = False):
         super().__init__(None)
         self.version = 0
         for key, value in dict(items).items():
-            dict.__setitem__(self, key, self._adopt(value))
+            dict.__setitem__(self, key, StateDict(self, value) if adopt and type(value) is dict else value)
 
-    def _adopt(self, value: Any) -> Any:
-        if isinstance(value, StateDict) and value._owner is self:
-            return value
-        return StateDict(self, value) if isinstance(value, dict) else value
+    def tracks(self, state: Any) -> bool:
+        """Whether every change to ``state`` counts in this mapping's version."""
+        return type(state) is StateDict and state._owner is self
 
     def __missing__(self, key):
         value = StateDict(self)
@@ -114,7 +116,7 @@ class StateMap(defaultdict):
 
     def __setitem__(self, key, value):
         self.version += 1
-        dict.__setitem__(self, key, self._adopt(value))
+        dict.__setitem__(self, key, value)
 
     def __delitem__(self, key):
         self.version += 1
@@ -138,7 +140,7 @@ class StateMap(defaultdict):
 
     def setdefault(self, key, default=None):
         if key not in self:
-            self[key] = {} if default is None else default
+            self[key] = StateDict(self) if default is None else default
         return self[key]
 
     def update(self, *args, **kwargs):
@@ -146,7 +148,10 @@ class StateMap(defaultdict):
             self[key] = value
 
     def copy(self):
-        return StateMap(self)
+        """A shallow copy, as torch's mapping gives: a ``defaultdict(dict)`` holding the same dicts."""
+        return defaultdict(dict, self)
+
+    __copy__ = copy
 
     def __reduce__(self):  # pickles as torch's own defaultdict(dict) of plain dicts
         return defaultdict, (dict,), None, None, iter((k, dict(v) if isinstance(v, dict) else v)
@@ -162,8 +167,8 @@ class StateMap(defaultdict):
         return value
 
 
-def as_state_map(state: Any) -> StateMap:
-    return state if isinstance(state, StateMap) else StateMap(state)
+def as_state_map(state: Any, adopt: bool = False) -> StateMap:
+    return state if isinstance(state, StateMap) else StateMap(state, adopt=adopt)
 
 
 def quiet_set(state: dict, key: str, value: Any) -> None:
@@ -207,16 +212,22 @@ class Plan:
     reusable: bool = True
     created: dict[int, tuple] = field(default_factory=dict)  # id(param) -> the state entries the step makes
     pending: list[tuple] = field(default_factory=list)       # (param, name, tensor, fill) put in at commit
+    rehome: list[FlatBucket] = field(default_factory=list)   # flat buckets whose params' .data was replaced
+    data_ptrs: list[int] = field(default_factory=list)       # where each param's data was (p.data replaced?)
 
     def fits(self, params: list[Tensor], active: tuple, state_map: StateMap) -> bool:
         return (self.reusable and state_map is self.state_map and state_map.version == self.version
                 and active == self.active and len(params) == len(self.params)
-                and all(map(operator.is_, params, self.params)))
+                and all(map(operator.is_, params, self.params))
+                and list(map(Tensor.data_ptr, params)) == self.data_ptrs)
 
     def commit(self) -> None:
         """Put the built states in place (building changed nothing, so a failed or skipped step leaves
         everything as it was), then remember the mapping's version."""
         state_map = self.state_map
+        for fb in self.rehome:
+            fb.rehome()
+        self.rehome.clear()
         for p, name, value, fill in self.pending:
             state = state_map.get(p)
             if state is None:
@@ -230,6 +241,8 @@ class Plan:
         for bucket in self.buckets:
             bucket.dicts = list(map(state_map.get, bucket.owners))
         self.version = state_map.version
+        if self.reusable:
+            self.data_ptrs = list(map(Tensor.data_ptr, self.params))
 
     def advance(self, exports_step: bool) -> list[tuple]:
         """Count one step for every bucket; returns what ``take_back`` needs if the kernels skip it."""
@@ -294,6 +307,8 @@ def _param_states(plan: Plan, p: Tensor, state: dict | None, names: list[str], e
                   make, param_index) -> tuple[list[Tensor], int]:
     """One param's state tensors for this step and its count; missing ones are made (``make(name)`` gives
     the tensor and its fill) and wait in ``plan.pending``, as does a first ``step`` entry."""
+    if state is not None and not plan.state_map.tracks(state):
+        plan.reusable = False  # a dict of the user's own: its changes are not counted
     tensors, created = [], []
     for name in names:
         value = None if state is None else state.get(name)
@@ -363,6 +378,16 @@ def _build_flat(plan: Plan, rule, group: dict, fb: FlatBucket, names: list[str],
                 param_index) -> None:
     """Flat mode: every state is a view of the bucket's buffer. A missing state starts at its initial
     value in its view; one the user replaced (or a checkpoint loaded) is copied into its view."""
+    replaced = [i for i, (p, view) in enumerate(zip(fb.params, fb.param_views))
+                if p.data_ptr() != view.data_ptr()]
+    for i in replaced:  # p.data = ... since the last step: the new values go into the buffer (at commit)
+        p, view = fb.params[i], fb.param_views[i]
+        if p.shape != view.shape or p.dtype != view.dtype or p.device != view.device:
+            raise ValueError(f"param {param_index(p)} was given data of shape {tuple(p.shape)}, dtype {p.dtype}, "
+                             f"device {p.device}; flat=True keeps it in a buffer of shape {tuple(view.shape)}, "
+                             f"dtype {view.dtype}, device {view.device}: make a new optimizer for the new layout")
+    if replaced:
+        plan.rehome.append(fb)
     views = {name: fb.state_views(name) for name in names}
     fills = {name: rule.initial_value(name, group) for name in names}
     counts = []

@@ -39,8 +39,14 @@ def run(rule, bucket: Bucket, group: dict, step: int, scalars: tuple, flags: tup
             return
     if rule.torch_fused is not None and bucket.params[0].dtype in TORCH_FUSED_DTYPES:
         # torch's kernels walk p, g and states as one linear layout: strided tensors go the foreach way
-        strided = [i for i, (p, g) in enumerate(zip(bucket.params, bucket.grads))
-                   if not (p.is_contiguous() and g.is_contiguous())]
+        # (params and states keep their layout while the bucket's cache lives: the step plan makes a new
+        # bucket when a state tensor or a param's data is replaced)
+        fixed = bucket.cache.get("strided_params_or_states")
+        if fixed is None:
+            fixed = bucket.cache["strided_params_or_states"] = {
+                i for i, p in enumerate(bucket.params)
+                if not (p.is_contiguous() and all(s is None or s[i].is_contiguous() for s in bucket.states))}
+        strided = [i for i, g in enumerate(bucket.grads) if i in fixed or not g.is_contiguous()]
         skip = set(strided)
         dense = bucket if not strided else _subset(bucket, [i for i in range(len(bucket.params)) if i not in skip])
         if dense.params:

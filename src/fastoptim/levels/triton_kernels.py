@@ -243,10 +243,11 @@ class TensorTable:
         self.fallback: list[int] = []
 
     def update(self, columns: list[list[Tensor]]) -> None:
-        # addresses, and the grads' dtypes: a grad may be freed and a new one of another dtype (torch's
-        # grad_dtype) take its address; params and states are checked against their params by the step plan
+        # addresses, and the grads' dtypes and layouts: a grad may be freed and a new one of another dtype
+        # (torch's grad_dtype) or layout take its address. A param's or state's layout cannot change while
+        # the table lives: the step plan makes a new bucket (and table) when either is replaced.
         key = [t.data_ptr() for col in columns for t in col]
-        key += [g.dtype for g in columns[1]]
+        key += [(g.dtype, g.is_contiguous()) for g in columns[1]]
         if key == self.key:
             return
         n = len(columns[0])
