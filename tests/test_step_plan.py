@@ -387,3 +387,22 @@ def test_flat_add_param_group_that_is_refused_leaves_no_trace():
     assert torch.equal(q.detach(), q_before) and q.grad is None
     p.grad = torch.ones(3)
     opt.step()
+
+
+@pytest.mark.parametrize("flat", [False, True])
+@pytest.mark.parametrize("level", LEVELS)
+def test_a_one_element_tensor_lr_of_shape_1_steps_as_torch_does(level, flat):
+    """torch.optim takes a tensor lr of shape (1,) as well as 0-d; so does every level (it failed mid-step
+    after other groups had moved)."""
+    g = torch.Generator().manual_seed(0)
+    ours_p = [torch.nn.Parameter(torch.randn(5, generator=g)), torch.nn.Parameter(torch.randn((), generator=g))]
+    ref_p = clone_params(ours_p)
+    ours = fastoptim.Adam([{"params": ours_p[:1]}, {"params": ours_p[1:], "lr": torch.tensor([0.01])}], lr=0.01,
+                          impl=level, flat=flat)
+    ref = torch.optim.Adam([{"params": ref_p[:1]}, {"params": ref_p[1:], "lr": torch.tensor([0.01])}], lr=0.01,
+                           foreach=False)
+    for _ in range(3):
+        _grads(g, ours_p, ref_p)
+        ours.step()
+        ref.step()
+    assert_params_close(ours_p, ref_p)

@@ -50,6 +50,22 @@ class _Amp:
         return self.found_inf.clone(), None, self.taken
 
 
+def _scalar_view(value):
+    return value.view(()) if isinstance(value, Tensor) and value.dim() else value
+
+
+def _hyper_view(group: dict) -> dict:
+    """The group with one-element tensor hyper-parameters of shape (1,) as 0-d views (torch.optim takes
+    both; the levels' scalar arithmetic wants 0-d). Views: a schedule writing the tensor in place is seen."""
+    if not any(_is_shaped(v) or isinstance(v, tuple) and any(map(_is_shaped, v)) for v in group.values()):
+        return group
+    return {k: tuple(map(_scalar_view, v)) if isinstance(v, tuple) else _scalar_view(v) for k, v in group.items()}
+
+
+def _is_shaped(value) -> bool:
+    return isinstance(value, Tensor) and value.dim() > 0
+
+
 class FastOptimizer(torch.optim.Optimizer):
     rule: Rule
     _step_supports_amp_scaling = True
@@ -189,6 +205,7 @@ class FastOptimizer(torch.optim.Optimizer):
         if amp.found_inf is not None:
             amp.taken.extend(taken)
         rule, run = self.rule, None
+        group = _hyper_view(group)
         flags = rule.flags(group)
         extra = {} if amp.found_inf is None else {"found_inf": amp.found_inf}
         for bucket in step_plan.buckets:
