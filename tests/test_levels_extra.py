@@ -234,7 +234,7 @@ def test_tensor_hyperparameters_match_floats(name, level):
 
 
 def test_tensor_hyperparameter_must_hold_one_float():
-    with pytest.raises(TypeError, match="lr as a tensor"):
+    with pytest.raises(ValueError, match="Tensor lr must be 1-element"):
         fastoptim.Adam(make_params(), lr=torch.tensor([1e-3, 1e-3]))
 
 
