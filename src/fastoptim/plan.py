@@ -246,27 +246,27 @@ class Plan:
 
     def advance(self, exports_step: bool) -> list[tuple]:
         """Count one step for every bucket; returns what ``take_back`` needs if the kernels skip it."""
-        taken = []
         created, self.created = self.created, {}
+        setitem = dict.__setitem__  # the plan's own bookkeeping: not counted as a change
         for bucket in self.buckets:
             bucket.step = step = bucket.step + 1
             if exports_step:
                 for state in bucket.dicts:
-                    quiet_set(state, "step", step)
-            taken.append([(p, d, created.get(id(p), ())) for p, d in zip(bucket.owners, bucket.dicts)])
-        return taken
+                    setitem(state, "step", step)
+        return [(bucket.owners, bucket.dicts, created) for bucket in self.buckets]
 
 
 def take_back(state_map: StateMap, taken: list, exports_step: bool) -> None:
     """A step the kernels skipped: counters go back one; the states the step created go away, as if it
     never ran (torch.optim has no state for a param before its first step)."""
-    for entries in taken:
-        for p, state, created in entries:
+    for owners, dicts, created in taken:
+        for p, state in zip(owners, dicts):
             if state is None:
                 continue
-            for name in created:
+            made = created.get(id(p), ())
+            for name in made:
                 state.pop(name, None)
-            if exports_step and "step" not in created:
+            if exports_step and "step" not in made:
                 state["step"] = state["step"] - 1
             if not state and state_map.get(p) is state:
                 del state_map[p]
