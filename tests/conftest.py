@@ -53,12 +53,14 @@ def set_grads(step, param_sets, seed=1, none_every=3):
 
 
 @pytest.fixture(autouse=True)
-def _compiled_level_compiles_small_buckets(monkeypatch):
-    """The compiled level runs buckets of small tensors on the foreach level (a speed choice). The tests'
-    params are small, so the threshold is 0 here and the compiled level's own path is what they test;
-    test_compiled_level_routes_small_buckets_to_foreach checks the routing itself."""
+def _levels_run_their_own_paths(monkeypatch):
+    """For speed, the compiled level runs buckets of small tensors on the fused level's path, and the
+    foreach level runs the fused level's path on the CPU. Here every level runs its own path, so that is
+    what the tests test; test_levels_extra's routing tests check the routing itself."""
+    from fastoptim import levels
     from fastoptim.levels import compiled
     monkeypatch.setattr(compiled, "ROUTE_BELOW_MEAN_NUMEL", 0)
+    monkeypatch.setattr(levels, "ROUTE_FOREACH_ON_CPU", False)
 
 
 @pytest.fixture(autouse=True)

@@ -26,7 +26,7 @@ def test_bench_quick_writes_json_and_markdown(tmp_path, capsys):
         labels = [r["label"] for r in result["rows"]]
         assert "flat floor" in labels and any("clip_grad_norm_" in label for label in labels)
         for row in result["rows"]:
-            assert set(row) == {"label", "library", "impl", "flat", "median_ms", "min_ms", "max_ms", "samples",
+            assert set(row) == {"label", "library", "impl", "flat", "paths", "median_ms", "min_ms", "max_ms", "samples",
                                 "first_step_ms", "state_mib", "vs_torch_fused", "vs_flat_floor", "error"}
             assert row["error"] is None and row["median_ms"] > 0 and row["samples"] == 3
             assert row["vs_flat_floor"] is not None

@@ -238,31 +238,53 @@ def test_tensor_hyperparameter_must_hold_one_float():
         fastoptim.Adam(make_params(), lr=torch.tensor([1e-3, 1e-3]))
 
 
-def test_compiled_level_routes_small_buckets_to_foreach_and_says_so(monkeypatch):
+@pytest.mark.parametrize("name,path", [("lion", "foreach"), ("adamw", "torch_fused")])
+def test_compiled_level_routes_small_buckets_to_the_fused_path_and_says_so(monkeypatch, name, path):
+    from fastoptim import levels
     from fastoptim.levels import compiled, record_paths
     monkeypatch.setattr(compiled, "ROUTE_BELOW_MEAN_NUMEL", 1 << 14)
-    monkeypatch.setattr(compiled, "_routed", set())
+    monkeypatch.setattr(levels, "_said", set())
     g = torch.Generator().manual_seed(0)
     base_p = [torch.nn.Parameter(torch.randn(s, generator=g)) for s in [(64, 64), (64,)] * 20]
     ours_p = clone_params(base_p)
-    base = OPTIMIZERS["lion"].cls(base_p, impl="loop", lr=1e-2)
-    ours = OPTIMIZERS["lion"].cls(ours_p, impl="compiled", lr=1e-2)
+    base = OPTIMIZERS[name].cls(base_p, impl="loop", lr=1e-2)
+    ours = OPTIMIZERS[name].cls(ours_p, impl="compiled", lr=1e-2)
     for step in range(1, 3):
         for a, b in zip(base_p, ours_p):
             a.grad = torch.randn(a.shape, generator=g)
             b.grad = a.grad.clone()
         base.step()
-        with pytest.warns(RuntimeWarning, match="impl='compiled' runs lion on the foreach level") if step == 1 \
+        with pytest.warns(RuntimeWarning, match="impl='compiled' runs the fused level's path") if step == 1 \
                 else __import__("contextlib").nullcontext(), record_paths() as paths:
             ours.step()
-        assert paths == ["foreach"]
+        assert paths == [path]
     assert_params_close(ours_p, base_p)
     big = [torch.nn.Parameter(torch.randn(1 << 15, generator=g))]  # large tensors: the compiled path itself
-    opt = OPTIMIZERS["lion"].cls(big, impl="compiled", lr=1e-2)
+    opt = OPTIMIZERS[name].cls(big, impl="compiled", lr=1e-2)
     big[0].grad = torch.randn(1 << 15, generator=g)
     with record_paths() as paths:
         opt.step()
     assert paths == ["compiled"]
+
+
+@pytest.mark.parametrize("flat", [False, True])
+def test_foreach_level_runs_the_fused_path_on_the_cpu_and_says_so(monkeypatch, flat):
+    from fastoptim import levels
+    from fastoptim.levels import record_paths
+    monkeypatch.setattr(levels, "ROUTE_FOREACH_ON_CPU", True)
+    monkeypatch.setattr(levels, "_said", set())
+    base_p = make_params()
+    ours_p = clone_params(base_p)
+    base = OPTIMIZERS["adamw"].cls(base_p, impl="loop", lr=1e-2)
+    ours = OPTIMIZERS["adamw"].cls(ours_p, impl="foreach", flat=flat, lr=1e-2)
+    for step in range(1, 4):
+        set_grads(step, [base_p, ours_p], none_every=10 ** 9)
+        base.step()
+        with pytest.warns(RuntimeWarning, match="impl='foreach' runs the fused level's path") if step == 1 \
+                else __import__("contextlib").nullcontext(), record_paths() as paths:
+            ours.step()
+        assert "torch_fused" in paths
+        assert_params_close(ours_p, base_p)
 
 
 @pytest.mark.parametrize("name", list(OPTIMIZERS))

@@ -39,7 +39,7 @@ def to_dict(workload: str, optimizer: str, n_params: int, n_tensors: int, rows: 
         "bytes_per_param": bpp,
         "gpu_estimate_ms": {gpu: bpp * n_params / bw * 1e3 for gpu, bw in GPU_BANDWIDTH.items()},
         "rows": [{
-            "label": r.label, "library": r.library, "impl": r.impl, "flat": r.flat,
+            "label": _label(r), "library": r.library, "impl": r.impl, "flat": r.flat, "paths": r.paths,
             "median_ms": r.median_ms, "min_ms": r.spread_ms[0], "max_ms": r.spread_ms[1],
             "samples": len(r.times_ms), "first_step_ms": r.first_step_ms, "state_mib": r.state_bytes / 2 ** 20,
             "vs_torch_fused": r.median_ms / fused if fused == fused else None,
@@ -47,6 +47,19 @@ def to_dict(workload: str, optimizer: str, n_params: int, n_tensors: int, rows: 
             "error": r.error,
         } for r in rows],
     }
+
+
+# the paths each level runs as its own (the fused level picks among several by device and dtype)
+OWN_PATHS = {"loop": {"loop"}, "foreach": {"foreach"}, "compiled": {"compiled"},
+             "fused": {"triton", "torch_fused", "compiled", "foreach"}}
+
+
+def _label(row) -> str:
+    """A fastoptim row whose level routed itself to another level's path says which paths ran."""
+    own = OWN_PATHS.get(row.impl.split("+")[0])
+    if row.library == "fastoptim" and own is not None and set(row.paths) - own:
+        return f"{row.label} (ran {' + '.join(row.paths)})"
+    return row.label
 
 
 def environment() -> dict[str, Any]:

@@ -10,6 +10,7 @@ from typing import Callable
 
 import torch
 
+from ..levels import record_paths
 from .. import registry, timing
 from . import workloads
 
@@ -28,6 +29,7 @@ class Row:
     times_ms: list[float] = field(default_factory=list)
     first_step_ms: float = float("nan")
     state_bytes: int = 0
+    paths: list[str] = field(default_factory=list)  # the paths fastoptim's levels took (record_paths)
 
     @property
     def median_ms(self) -> float:
@@ -162,8 +164,10 @@ def run_workload(shapes, rows: list[Row], rounds: int, steps_per_round: int, war
             opt = row.build(params)
             grads = [p.grad for p in params]  # after build: flat mode swaps in views of its buffer
             t0 = now()
-            opt.step()
+            with record_paths() as paths:
+                opt.step()
             row.first_step_ms = (now() - t0) * 1e3
+            row.paths = sorted(set(paths))
             for _ in range(warmup):
                 for p, g in zip(params, grads):
                     p.grad = g

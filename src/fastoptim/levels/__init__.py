@@ -9,6 +9,7 @@ the fused and compiled levels apply it inside their kernels, loop and foreach in
 from __future__ import annotations
 
 import os
+import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -112,11 +113,32 @@ def _runs() -> dict[str, Callable]:
             "loop": loop.run}
 
 
+# On the CPU the foreach level runs the fused level's path instead: its pure expressions take about twice
+# the passes over memory of torch's own in-place foreach ops, and the fused path (torch's fused kernels, the
+# rule compiled into one loop, or the foreach level itself where nothing is faster) is never slower.
+# Measured, AdamW ms/step: gpt 25M foreach 167 against torch foreach 112 and fused 17.
+ROUTE_FOREACH_ON_CPU = True
+_said: set = set()
+
+
+def say_routed(impl: str, to: str, why: str) -> None:
+    """One warning per process and level: a level the user picked runs another one's path."""
+    if impl in _said:
+        return
+    _said.add(impl)
+    warnings.warn(f"fastoptim: impl={impl!r} runs the {to} level's path here: {why}", RuntimeWarning, stacklevel=4)
+
+
 def level(impl: str, device: torch.device) -> Callable:
     """The run function for ``impl`` on ``device``; "auto" is the fused level, the fastest everywhere
-    (each level picks its path by device itself)."""
+    (each level picks its path by device itself). The loop level always runs as it says: it is the
+    reference the other levels are tested against."""
+    if impl == "foreach" and device.type == "cpu" and ROUTE_FOREACH_ON_CPU:
+        say_routed("foreach", "fused", "on the CPU it is never slower, and the foreach level's pure expressions "
+                   "take twice the passes over memory of torch's in-place foreach kernels")
+        impl = "fused"
     return _runs()[impl]
 
 
 __all__ = ["IMPLS", "LEVELS", "PATHS", "Bucket", "check_impl", "is_dtensor", "level", "pack_scalars",
-           "record_paths", "scaled_grads", "skips_in_kernel", "took", "triton_available", "uses_triton"]
+           "record_paths", "say_routed", "scaled_grads", "skips_in_kernel", "took", "triton_available", "uses_triton"]
