@@ -58,9 +58,7 @@ def _levels_run_their_own_paths(monkeypatch):
     foreach level runs the fused level's path on the CPU. Here every level runs its own path, so that is
     what the tests test; test_levels_extra's routing tests check the routing itself."""
     from fastoptim import levels
-    from fastoptim.levels import compiled
-    monkeypatch.setattr(compiled, "ROUTE_BELOW_MEAN_NUMEL", 0)
-    monkeypatch.setattr(levels, "ROUTE_FOREACH_ON_CPU", False)
+    monkeypatch.setattr(levels, "ROUTING", False)
 
 
 @pytest.fixture(autouse=True)

@@ -107,7 +107,6 @@ def test_train_fsdp2_checkpoints_through_dcp_and_resumes_exactly(tmp_path):
     assert losses[0] == losses[1] and len(losses[0]) == 8
 
 
-@pytest.mark.slow
 def test_readme_fsdp_command_runs_to_the_end_and_resumes_on_one_process(tmp_path):
     """README: `torchrun --standalone --nproc_per_node=2 -m fastoptim train --fsdp`, defaults included (the
     300-token sample at the end, which every rank takes part in under FSDP); only the run is shortened."""

@@ -1,5 +1,7 @@
 """Compiled steps never recompile under schedules; GradScaler end to end; flat-buffer mode behaviour."""
 
+import warnings
+
 import pytest
 import torch
 
@@ -241,8 +243,8 @@ def test_tensor_hyperparameter_must_hold_one_float():
 @pytest.mark.parametrize("name,path", [("lion", "foreach"), ("adamw", "torch_fused")])
 def test_compiled_level_routes_small_buckets_to_the_fused_path_and_says_so(monkeypatch, name, path):
     from fastoptim import levels
-    from fastoptim.levels import compiled, record_paths
-    monkeypatch.setattr(compiled, "ROUTE_BELOW_MEAN_NUMEL", 1 << 14)
+    from fastoptim.levels import record_paths
+    monkeypatch.setattr(levels, "ROUTING", True)
     monkeypatch.setattr(levels, "_said", set())
     g = torch.Generator().manual_seed(0)
     base_p = [torch.nn.Parameter(torch.randn(s, generator=g)) for s in [(64, 64), (64,)] * 20]
@@ -271,7 +273,7 @@ def test_compiled_level_routes_small_buckets_to_the_fused_path_and_says_so(monke
 def test_foreach_level_runs_the_fused_path_on_the_cpu_and_says_so(monkeypatch, flat):
     from fastoptim import levels
     from fastoptim.levels import record_paths
-    monkeypatch.setattr(levels, "ROUTE_FOREACH_ON_CPU", True)
+    monkeypatch.setattr(levels, "ROUTING", True)
     monkeypatch.setattr(levels, "_said", set())
     base_p = make_params()
     ours_p = clone_params(base_p)
@@ -285,6 +287,22 @@ def test_foreach_level_runs_the_fused_path_on_the_cpu_and_says_so(monkeypatch, f
             ours.step()
         assert "torch_fused" in paths
         assert_params_close(ours_p, base_p)
+
+
+def test_routing_off_runs_each_level_on_its_own_path(monkeypatch):
+    from fastoptim import levels
+    from fastoptim.levels import record_paths
+    monkeypatch.setattr(levels, "ROUTING", False)
+    params = [torch.nn.Parameter(torch.randn(8, 8)) for _ in range(4)]
+    for impl in ("foreach", "compiled"):
+        opt = OPTIMIZERS["adamw"].cls(params, impl=impl, lr=1e-2)
+        for p in params:
+            p.grad = torch.randn_like(p)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)
+            with record_paths() as paths:
+                opt.step()
+        assert paths and set(paths) == {impl}
 
 
 @pytest.mark.parametrize("name", list(OPTIMIZERS))

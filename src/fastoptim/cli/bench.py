@@ -7,7 +7,7 @@ import sys
 
 import torch
 
-from .. import bench, registry
+from .. import bench, levels, registry
 from ..levels import LEVELS
 
 
@@ -40,6 +40,8 @@ def add_parser(sub) -> None:
                         "optimizers, torchao's, and torch.compile of torch's step) (default: fp32)")
     p.add_argument("--no-peers", action="store_const", const="none", dest="peers",
                    help="same as --peers none")
+    p.add_argument("--own-paths", action="store_true",
+                   help="every level runs its own path (no routing to a faster level's path)")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="where the params live; auto: cuda if there is one, else cpu (default: auto)")
@@ -59,6 +61,15 @@ def _argtype(parse):
 
 
 def run(args: argparse.Namespace) -> int:
+    routing = levels.ROUTING
+    levels.ROUTING = routing and not args.own_paths
+    try:
+        return _run(args)
+    finally:
+        levels.ROUTING = routing
+
+
+def _run(args: argparse.Namespace) -> int:
     if args.rounds < 1 or args.steps < 1 or args.warmup < 0:
         print("fastoptim bench: --rounds and --steps must be >= 1, --warmup >= 0", file=sys.stderr)
         return 2

@@ -116,8 +116,10 @@ def _runs() -> dict[str, Callable]:
 # On the CPU the foreach level runs the fused level's path instead: its pure expressions take about twice
 # the passes over memory of torch's own in-place foreach ops, and the fused path (torch's fused kernels, the
 # rule compiled into one loop, or the foreach level itself where nothing is faster) is never slower.
-# Measured, AdamW ms/step: gpt 25M foreach 167 against torch foreach 112 and fused 17.
+# Measured, AdamW ms/step on gpt 25M (`fastoptim bench -w gpt --own-paths`): foreach 175, torch foreach 130, fused 19.
 ROUTE_FOREACH_ON_CPU = True
+# The master switch: False makes every level run its own path (`fastoptim bench --own-paths`, the tests).
+ROUTING = True
 _said: set = set()
 
 
@@ -133,7 +135,7 @@ def level(impl: str, device: torch.device) -> Callable:
     """The run function for ``impl`` on ``device``; "auto" is the fused level, the fastest everywhere
     (each level picks its path by device itself). The loop level always runs as it says: it is the
     reference the other levels are tested against."""
-    if impl == "foreach" and device.type == "cpu" and ROUTE_FOREACH_ON_CPU:
+    if impl == "foreach" and device.type == "cpu" and ROUTING and ROUTE_FOREACH_ON_CPU:
         say_routed("foreach", "fused", "on the CPU it is never slower, and the foreach level's pure expressions "
                    "take twice the passes over memory of torch's in-place foreach kernels")
         impl = "fused"

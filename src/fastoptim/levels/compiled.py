@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from . import Bucket, loop, pack_scalars, say_routed, scaled_grads, took
+from .. import levels as _levels  # for ROUTING, read at each call
 
 # Buckets of tensors this small on average run on the fused level instead: one compiled call per tensor
 # costs more than it saves (mlp2000, 4000 tensors of ~2K elements: 499 ms/step compiled, against 229 for
@@ -56,7 +57,7 @@ def compiled_step(update: Callable, flags: tuple, dtype: torch.dtype, has_grad_m
 
 def run(rule, bucket: Bucket, group: dict, step: int, scalars: tuple, flags: tuple, grad_mul=None) -> None:
     mean_numel = sum(p.numel() for p in bucket.params) / len(bucket.params)
-    if mean_numel < ROUTE_BELOW_MEAN_NUMEL:
+    if _levels.ROUTING and mean_numel < ROUTE_BELOW_MEAN_NUMEL:
         from . import fused  # (fused imports this module)
         say_routed("compiled", "fused", f"for buckets of small tensors ({len(bucket.params)} tensors of "
                    f"{mean_numel:.0f} elements on average, under {ROUTE_BELOW_MEAN_NUMEL}) one compiled call per "
