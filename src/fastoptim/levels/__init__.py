@@ -9,6 +9,7 @@ the fused and compiled levels apply it inside their kernels, loop and foreach in
 from __future__ import annotations
 
 import os
+import sys
 import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -128,7 +129,20 @@ def say_routed(impl: str, to: str, why: str) -> None:
     if impl in _said:
         return
     _said.add(impl)
-    warnings.warn(f"fastoptim: impl={impl!r} runs the {to} level's path here: {why}", RuntimeWarning, stacklevel=4)
+    warnings.warn(f"fastoptim: impl={impl!r} runs the {to} level's path here: {why}", RuntimeWarning,
+                  stacklevel=caller_stacklevel())
+
+
+_LIBRARY_DIRS = (os.path.dirname(os.path.dirname(__file__)), os.path.dirname(torch.__file__))
+
+
+def caller_stacklevel() -> int:
+    """The ``stacklevel`` that points a warning at the first frame outside fastoptim and torch (the user's
+    ``opt.step()``), however deep inside the step it is raised."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(_LIBRARY_DIRS):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def level(impl: str, device: torch.device) -> Callable:

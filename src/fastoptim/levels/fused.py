@@ -16,7 +16,7 @@ import warnings
 
 import torch
 
-from . import Bucket, compiled, foreach, took, uses_triton
+from . import Bucket, caller_stacklevel, compiled, foreach, took, uses_triton
 
 # torch 2.13's fused CPU SGD is wrong for fp16/bf16 (0.26 off its own single-tensor SGD after 3 steps),
 # so low-precision buckets take our own paths
@@ -64,7 +64,8 @@ def run(rule, bucket: Bucket, group: dict, step: int, scalars: tuple, flags: tup
         except Exception as e:  # no C++ compiler, or Inductor unavailable: the blocked foreach level is exact
             _not_compilable.add(rule.update)
             warnings.warn(f"fastoptim: compiling {rule.name} for the CPU failed ({type(e).__name__}: {e}); "
-                          "impl='fused' uses the foreach level for it instead", RuntimeWarning, stacklevel=3)
+                          "impl='fused' uses the foreach level for it instead", RuntimeWarning,
+                          stacklevel=caller_stacklevel())
     return foreach.run(rule, bucket, group, step, scalars, flags, grad_mul)
 
 
