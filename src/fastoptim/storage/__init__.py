@@ -1,0 +1,1 @@
+"""How optimizer state is stored: plain tensors, or block-wise quantized codes (``quant``)."""
