@@ -409,3 +409,73 @@ def test_a_one_element_tensor_lr_of_shape_1_steps_as_torch_does(level, flat):
         ours.step()
         ref.step()
     assert_params_close(ours_p, ref_p)
+
+
+def _no_grad_t_(p):
+    with torch.no_grad():
+        p.t_()
+
+
+RELAYOUTS = {
+    "t_": lambda p: _no_grad_t_(p),                           # in place: same address, other strides
+    "data_t": lambda p: setattr(p, "data", p.data.t()),      # a transposed view of the same memory
+}
+
+
+@pytest.mark.parametrize("routing", [False, True])
+@pytest.mark.parametrize("relayout", list(RELAYOUTS))
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("name", ["adamw", "sgd", "rmsprop"])
+def test_a_param_re_laid_at_the_same_address_steps_as_torch_does(monkeypatch, name, level, relayout, routing):
+    """A square param transposed between steps keeps its address: the plan sees the new strides, so no
+    cached layout decision (torch's fused CPU kernels take only contiguous tensors) outlives it."""
+    from fastoptim import levels
+    monkeypatch.setattr(levels, "ROUTING", routing)
+    spec, ours, ours_p, ref, ref_p, g = _pair(name, level, option=1, shapes=((6, 6), (4,)))
+    for step in range(4):
+        _grads(g, ours_p, ref_p)
+        ours.step()
+        ref.step()
+        assert_params_close(ours_p, ref_p)
+        if step == 1:
+            address = ours_p[0].data_ptr()
+            for p in (ours_p[0], ref_p[0]):
+                RELAYOUTS[relayout](p)
+            assert ours_p[0].data_ptr() == address and not ours_p[0].is_contiguous()
+
+
+@pytest.mark.parametrize("flat", [False, True])
+def test_a_param_re_laid_at_the_same_address_on_the_triton_kernel(monkeypatch, flat):
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    spec, ours, ours_p, ref, ref_p, g = _pair("adamw", "fused", flat=flat, option=1, shapes=((8, 8), (16,)))
+    for step in range(4):
+        _grads(g, ours_p, ref_p)
+        with record_paths() as paths:
+            ours.step()
+        ref.step()
+        assert "triton" in paths
+        assert_params_close(ours_p, ref_p)
+        if step == 1:
+            for p in (ours_p[0], ref_p[0]):
+                _no_grad_t_(p)
+    if flat:  # the transposed values went into the buffer, and the param is its view again
+        bucket = ours._flat_buckets[0][0]
+        assert ours_p[0].data_ptr() == bucket.param_views[0].data_ptr() and ours_p[0].is_contiguous()
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_a_param_cut_short_at_the_same_address_is_refused_as_torch_refuses_it(level):
+    """``p.data = p.data[:4]``: same address, another shape. torch.optim fails on the size mismatch; here the
+    plan is rebuilt, the state is named, and nothing changes."""
+    spec, ours, ours_p, ref, ref_p, g = _pair("adamw", level, shapes=((8,), (3,)))
+    _grads(g, ours_p)
+    ours.step()
+    ours_p[0].data = ours_p[0].data[:4]
+    ours_p[0].grad = torch.randn(4, generator=g)
+    ours_p[1].grad = torch.randn(3, generator=g)
+    before = [p.detach().clone() for p in ours_p]
+    with pytest.raises(ValueError, match=r"state 'exp_avg' of param 0 has shape \(8,\)"):
+        ours.step()
+    assert all(torch.equal(a, b) for a, b in zip(ours_p, before))
+    assert [ours.state[p]["step"] for p in ours_p] == [1, 1]

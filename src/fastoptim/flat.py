@@ -15,6 +15,11 @@ from torch import Tensor
 _grad = operator.attrgetter("grad")
 
 
+def same_layout(a: Tensor, b: Tensor) -> bool:
+    """Whether two tensors lie on the same memory the same way (address, strides and shape)."""
+    return a.data_ptr() == b.data_ptr() and a.stride() == b.stride() and a.shape == b.shape
+
+
 class FlatBucket:
     def __init__(self, params: list[Tensor]):
         self.check(params)
@@ -71,8 +76,8 @@ class FlatBucket:
         user may have replaced ``p.data`` (its new values are copied in)."""
         self.param_views = self.views(self.param_buffer)
         for p, view in zip(self.params, self.param_views):
-            if p.data_ptr() != view.data_ptr():
-                view.copy_(p.detach())
+            if not same_layout(p, view):
+                view.copy_(p.detach().clone())  # cloned: p may lie on the view's own memory (p.t_())
                 p.data = view
         if any(v.data_ptr() != w.data_ptr() for v, w in zip(self.grad_views, self.views(self.grad_buffer))):
             self.grad_views = self.views(self.grad_buffer)

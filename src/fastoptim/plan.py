@@ -12,6 +12,7 @@ What a plan caches (one per param group):
 
 What makes it stale, checked at every step before anything runs:
   * another list of params with grads (compared by identity), or another set of active states;
+  * a param's data moved or re-laid (``p.data = ...``, ``p.t_()``, a resize: address, strides or shape);
   * ``optimizer.state`` replaced by another mapping;
   * any change made through the mapping or a per-param dict: a cleared or deleted state, a state tensor
     added, removed or replaced, a step count written. ``StateMap`` and its ``StateDict`` values count
@@ -20,6 +21,7 @@ What makes it stale, checked at every step before anything runs:
   * sharded (DTensor) or complex params: their local or real views are made anew every step, so such a
     group is planned afresh every step.
 Never cached: grads (new tensors every step), hyper-parameters (read every step), tensor contents.
+Not seen: a state tensor re-laid in place (``state["exp_avg"].t_()``): assign a new tensor instead.
 
 Step counters. For the rules torch keeps a counter for (``rule.exports_step``) the count is the
 ``"step"`` entry of the param's state dict, a Python int (no tensor ops, no syncs); ``state_dict()``
@@ -37,7 +39,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .flat import FlatBucket
+from .flat import FlatBucket, same_layout
 from .levels import is_dtensor
 
 
@@ -178,6 +180,12 @@ def quiet_set(state: dict, key: str, value: Any) -> None:
 
 # --- plans ------------------------------------------------------------------------------------------------
 
+def layouts(params: list[Tensor]) -> list[tuple]:
+    """Where and how each param's data lies: ``p.data = ...``, ``p.t_()`` or a resize changes it, even at the
+    same address. (Three C-speed passes: about 0.5 us per param.)"""
+    return list(zip(map(Tensor.data_ptr, params), map(Tensor.stride, params), map(Tensor.size, params)))
+
+
 @dataclass
 class PlanBucket:
     key: tuple                         # (device, dtype)
@@ -213,13 +221,13 @@ class Plan:
     created: dict[int, tuple] = field(default_factory=dict)  # id(param) -> the state entries the step makes
     pending: list[tuple] = field(default_factory=list)       # (param, name, tensor, fill) put in at commit
     rehome: list[FlatBucket] = field(default_factory=list)   # flat buckets whose params' .data was replaced
-    data_ptrs: list[int] = field(default_factory=list)       # where each param's data was (p.data replaced?)
+    layouts: list[tuple] = field(default_factory=list)       # each param's (address, strides, shape)
 
     def fits(self, params: list[Tensor], active: tuple, state_map: StateMap) -> bool:
         return (self.reusable and state_map is self.state_map and state_map.version == self.version
                 and active == self.active and len(params) == len(self.params)
                 and all(map(operator.is_, params, self.params))
-                and list(map(Tensor.data_ptr, params)) == self.data_ptrs)
+                and layouts(params) == self.layouts)
 
     def commit(self) -> None:
         """Put the built states in place (building changed nothing, so a failed or skipped step leaves
@@ -242,7 +250,7 @@ class Plan:
             bucket.dicts = list(map(state_map.get, bucket.owners))
         self.version = state_map.version
         if self.reusable:
-            self.data_ptrs = list(map(Tensor.data_ptr, self.params))
+            self.layouts = layouts(self.params)
 
     def advance(self, exports_step: bool) -> list[tuple]:
         """Count one step for every bucket; returns what ``take_back`` needs if the kernels skip it."""
@@ -379,8 +387,8 @@ def _build_flat(plan: Plan, rule, group: dict, fb: FlatBucket, names: list[str],
     """Flat mode: every state is a view of the bucket's buffer. A missing state starts at its initial
     value in its view; one the user replaced (or a checkpoint loaded) is copied into its view."""
     replaced = [i for i, (p, view) in enumerate(zip(fb.params, fb.param_views))
-                if p.data_ptr() != view.data_ptr()]
-    for i in replaced:  # p.data = ... since the last step: the new values go into the buffer (at commit)
+                if not same_layout(p, view)]
+    for i in replaced:  # p.data = ... or p.t_() since the last step: the values go into the buffer (at commit)
         p, view = fb.params[i], fb.param_views[i]
         if p.shape != view.shape or p.dtype != view.dtype or p.device != view.device:
             raise ValueError(f"param {param_index(p)} was given data of shape {tuple(p.shape)}, dtype {p.dtype}, "

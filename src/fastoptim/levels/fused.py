@@ -40,7 +40,7 @@ def run(rule, bucket: Bucket, group: dict, step: int, scalars: tuple, flags: tup
     if rule.torch_fused is not None and bucket.params[0].dtype in TORCH_FUSED_DTYPES:
         # torch's kernels walk p, g and states as one linear layout: strided tensors go the foreach way
         # (params and states keep their layout while the bucket's cache lives: the step plan makes a new
-        # bucket when a state tensor or a param's data is replaced)
+        # bucket when a state tensor is replaced or a param's address, strides or shape change)
         fixed = bucket.cache.get("strided_params_or_states")
         if fixed is None:
             fixed = bucket.cache["strided_params_or_states"] = {

@@ -245,7 +245,8 @@ class TensorTable:
     def update(self, columns: list[list[Tensor]]) -> None:
         # addresses, and the grads' dtypes and layouts: a grad may be freed and a new one of another dtype
         # (torch's grad_dtype) or layout take its address. A param's or state's layout cannot change while
-        # the table lives: the step plan makes a new bucket (and table) when either is replaced.
+        # the table lives: the step plan makes a new bucket (and table) when a state is replaced or a
+        # param's address, strides or shape change.
         key = [t.data_ptr() for col in columns for t in col]
         key += [(g.dtype, g.is_contiguous()) for g in columns[1]]
         if key == self.key:
