@@ -479,3 +479,19 @@ def test_a_param_cut_short_at_the_same_address_is_refused_as_torch_refuses_it(le
         ours.step()
     assert all(torch.equal(a, b) for a, b in zip(ours_p, before))
     assert [ours.state[p]["step"] for p in ours_p] == [1, 1]
+
+
+def test_flat_groups_edited_by_hand_are_refused_before_anything_changes():
+    """Flat buffers belong to their group: popping a group would step the next one on the popped group's
+    buffers. The step names the group and changes nothing."""
+    g = torch.Generator().manual_seed(0)
+    ps = [torch.nn.Parameter(torch.randn(4, generator=g)) for _ in range(4)]
+    opt = fastoptim.AdamW([{"params": ps[:2]}, {"params": ps[2:]}], flat=True, lr=1e-2)
+    for p in ps:
+        p.grad = torch.randn(4, generator=g)
+    opt.step()
+    opt.param_groups.pop(0)
+    before = [p.detach().clone() for p in ps]
+    with pytest.raises(ValueError, match="param group 0 no longer holds the params"):
+        opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(ps, before))

@@ -248,6 +248,7 @@ class FastOptimizer(torch.optim.Optimizer):
         """The params that step and their grads; flat mode: every param (grads are views, never None)."""
         self.rule.validate(group)
         if self.flat:
+            self._check_flat_group(group)
             return group, group["params"], None
         params, grads = [], []
         for p in group["params"]:
@@ -260,6 +261,17 @@ class FastOptimizer(torch.optim.Optimizer):
             params.append(p)
             grads.append(g)
         return group, params, grads
+
+    def _check_flat_group(self, group: dict) -> None:
+        """Flat buffers belong to the group they were made for: a group list edited by hand (a group popped
+        or its params changed) would step another group's buffers."""
+        index = next(i for i, g in enumerate(self.param_groups) if g is group)
+        buckets = self._flat_buckets[index] if index < len(self._flat_buckets) else []
+        owned = [p for bucket in buckets for p in bucket.params]
+        params = group["params"]
+        if len(owned) != len(params) or not {id(p) for p in owned} == {id(p) for p in params}:
+            raise ValueError(f"flat=True: param group {index} no longer holds the params its flat buffers were "
+                             "made for (param_groups edited by hand); make a new optimizer for the new groups")
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """In flat mode grads are views of one buffer per bucket: zeroed with one memset, never set to None."""
