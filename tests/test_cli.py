@@ -131,3 +131,13 @@ def test_bench_times_each_step_between_device_syncs(monkeypatch):
     timed = ["sync", "read", "step", "sync", "read"]
     assert events == timed + ["step"] + timed * 4
     assert len(row.times_ms) == 2 and row.error is None
+
+
+def test_curves_rows_run_the_level_they_name(monkeypatch):
+    """Routing on (as for users): the foreach and compiled rows of the curves still run their own paths."""
+    from fastoptim import curves, levels
+    monkeypatch.setattr(levels, "ROUTING", True)
+    with levels.record_paths() as paths:
+        curves.run(["adamw"], ["foreach", "compiled"], [], steps=2)
+    assert {"foreach", "compiled"} <= set(paths) and "torch_fused" not in paths
+    assert levels.ROUTING is True  # restored

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import data, registry
+from . import data, levels, registry
 from .reference import reference_class, reference_kwargs
 
 LEARNING_RATES = {"sgd": 0.1, "adam": 3e-3, "adamw": 3e-3, "rmsprop": 1e-3, "adagrad": 0.05, "lion": 3e-4}
@@ -90,9 +90,10 @@ def run(optimizers: list[str], impls: list[str], flat_impls: list[str], steps: i
             progress()
         for impl, flat in [(i, False) for i in impls] + [(i, True) for i in flat_impls]:
             label = f"{impl} flat" if flat else impl
-            curves.append(Curve(name, label, train(
-                name, lambda m, impl=impl, flat=flat: spec.cls(m.parameters(), impl=impl, flat=flat, **kwargs),
-                steps, seed)))
+            with levels.own_paths():  # each row is the level it names, not the path it would route to
+                curves.append(Curve(name, label, train(
+                    name, lambda m, impl=impl, flat=flat: spec.cls(m.parameters(), impl=impl, flat=flat, **kwargs),
+                    steps, seed)))
             progress()
     return curves
 

@@ -61,12 +61,8 @@ def _argtype(parse):
 
 
 def run(args: argparse.Namespace) -> int:
-    routing = levels.ROUTING
-    levels.ROUTING = routing and not args.own_paths
-    try:
+    with levels.own_paths(args.own_paths):
         return _run(args)
-    finally:
-        levels.ROUTING = routing
 
 
 def _run(args: argparse.Namespace) -> int:

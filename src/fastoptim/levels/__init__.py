@@ -124,6 +124,19 @@ ROUTING = True
 _said: set = set()
 
 
+@contextmanager
+def own_paths(on: bool = True) -> Iterator[None]:
+    """While the block runs, every level runs its own path (``ROUTING`` off): for comparing the levels
+    themselves (``fastoptim curves``, ``fastoptim bench --own-paths``)."""
+    global ROUTING
+    outer = ROUTING
+    ROUTING = outer and not on
+    try:
+        yield
+    finally:
+        ROUTING = outer
+
+
 def say_routed(impl: str, to: str, why: str) -> None:
     """One warning per process and level: a level the user picked runs another one's path."""
     if impl in _said:
@@ -156,5 +169,5 @@ def level(impl: str, device: torch.device) -> Callable:
     return _runs()[impl]
 
 
-__all__ = ["IMPLS", "LEVELS", "PATHS", "Bucket", "check_impl", "is_dtensor", "level", "pack_scalars",
+__all__ = ["IMPLS", "LEVELS", "PATHS", "Bucket", "check_impl", "is_dtensor", "level", "own_paths", "pack_scalars",
            "record_paths", "say_routed", "scaled_grads", "skips_in_kernel", "took", "triton_available", "uses_triton"]
