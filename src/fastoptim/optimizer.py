@@ -190,6 +190,8 @@ class FastOptimizer(torch.optim.Optimizer):
         cached = self._plans.get(index)
         if cached is not None and cached.fits(params, self.rule.active(group), self._state):
             return cached
+        if self.flat:
+            self._check_flat_group(index, group)
         return plan.build(self.rule, group, params, self._state, self._new_state, self._param_index,
                           self._flat_buckets[index] if self.flat else None)
 
@@ -248,7 +250,6 @@ class FastOptimizer(torch.optim.Optimizer):
         """The params that step and their grads; flat mode: every param (grads are views, never None)."""
         self.rule.validate(group)
         if self.flat:
-            self._check_flat_group(group)
             return group, group["params"], None
         params, grads = [], []
         for p in group["params"]:
@@ -262,10 +263,10 @@ class FastOptimizer(torch.optim.Optimizer):
             grads.append(g)
         return group, params, grads
 
-    def _check_flat_group(self, group: dict) -> None:
+    def _check_flat_group(self, index: int, group: dict) -> None:
         """Flat buffers belong to the group they were made for: a group list edited by hand (a group popped
-        or its params changed) would step another group's buffers."""
-        index = next(i for i, g in enumerate(self.param_groups) if g is group)
+        or its params changed) would step another group's buffers. Checked when a plan is made (a reused
+        plan has the very params it was made with)."""
         buckets = self._flat_buckets[index] if index < len(self._flat_buckets) else []
         owned = [p for bucket in buckets for p in bucket.params]
         params = group["params"]
