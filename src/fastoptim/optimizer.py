@@ -26,7 +26,7 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import Tensor
 
-from . import clip, levels, plan
+from . import clip, levels, plan, storage
 from .flat import FlatBucket
 from .levels import Bucket, is_dtensor
 from .rules import Rule
@@ -71,9 +71,14 @@ class FastOptimizer(torch.optim.Optimizer):
     _step_supports_amp_scaling = True
 
     def __init__(self, params: Iterable, impl: str = "auto", flat: bool = False,
-                 max_grad_norm: float | None = None, **hyper: Any):
+                 max_grad_norm: float | None = None, state_bits: int = 32,
+                 min_quant_size: int = storage.MIN_QUANT_SIZE, **hyper: Any):
         self.impl = levels.check_impl(impl)
         self.flat = bool(flat)
+        self.state_bits = storage.check_state_bits(state_bits)
+        self.min_quant_size = storage.check_min_quant_size(min_quant_size)
+        if self.flat and self.state_bits != 32:
+            raise ValueError(f"flat=True keeps 32-bit state; state_bits={state_bits} needs flat=False")
         if max_grad_norm is not None and (isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float))
                                           or not max_grad_norm > 0):
             raise ValueError(f"Invalid max_grad_norm: {max_grad_norm!r} (must be a number > 0, or None)")
@@ -118,6 +123,12 @@ class FastOptimizer(torch.optim.Optimizer):
     # --- param groups ---------------------------------------------------------------------------
 
     def add_param_group(self, param_group: dict) -> None:
+        if "state_bits" in param_group:
+            storage.check_state_bits(param_group["state_bits"], "state_bits of a param group")
+            if self.flat and param_group["state_bits"] != 32:
+                raise ValueError("flat=True keeps 32-bit state; a param group's state_bits must be 32")
+        if "min_quant_size" in param_group:
+            storage.check_min_quant_size(param_group["min_quant_size"])
         candidate = {k: v for k, v in param_group.items() if k != "params"}
         for k, v in self.defaults.items():
             candidate.setdefault(k, v)
@@ -148,11 +159,13 @@ class FastOptimizer(torch.optim.Optimizer):
                     state[name] = self._new_state(p, name, group)
         return state
 
-    def _new_state(self, p: Tensor, name: str, group: dict) -> Tensor:
-        value = self.rule.initial_value(name, group)
-        if p.is_complex():  # the update runs on the real view: both halves start at the value
-            value = complex(value, value)
-        return torch.full_like(p, value, memory_format=torch.preserve_format)
+    def _new_state(self, p: Tensor, name: str, group: dict) -> Tensor | storage.QuantizedState:
+        return storage.make(p, self._state_format(p, name, group), self.rule.initial_value(name, group))
+
+    def _state_format(self, p: Tensor, name: str, group: dict) -> storage.Format:
+        """How a state of ``p`` is kept: the group's ``state_bits`` (the optimizer's by default)."""
+        return storage.format_for(p, name, group.get("state_bits", self.state_bits),
+                                  group.get("min_quant_size", self.min_quant_size), self.rule.unsigned_states)
 
     # --- the step -------------------------------------------------------------------------------
 
@@ -192,7 +205,7 @@ class FastOptimizer(torch.optim.Optimizer):
             return cached
         if self.flat:
             self._check_flat_group(index, group)
-        return plan.build(self.rule, group, params, self._state, self._new_state, self._param_index,
+        return plan.build(self.rule, group, params, self._state, self._state_format, self._param_index,
                           self._flat_buckets[index] if self.flat else None)
 
     def _run_plan(self, index: int, step_plan: plan.Plan, group: dict, grads: list[Tensor] | None,
@@ -213,8 +226,15 @@ class FastOptimizer(torch.optim.Optimizer):
         for bucket in step_plan.buckets:
             level_bucket = Bucket(bucket.params, bucket.grads(grads), bucket.states, bucket.cache)
             run = run or levels.level(self.impl, level_bucket.device)
-            run(rule, level_bucket, group, bucket.step, rule.scalars(group, bucket.step), flags, amp.grad_mul,
-                **extra)
+            if bucket.staged is None:  # plain formats are checked to be the param's dtype: never staged
+                bucket.staged = (group.get("state_bits", self.state_bits) != 32
+                                 and storage.needs_staging(bucket.params, bucket.states))
+            if bucket.staged:  # 16/8/4-bit state: through temporaries of the param's dtype (``storage``)
+                storage.run_staged(lambda b: run(rule, b, group, bucket.step, rule.scalars(group, bucket.step),
+                                                 flags, amp.grad_mul), level_bucket, **extra)
+            else:
+                run(rule, level_bucket, group, bucket.step, rule.scalars(group, bucket.step), flags, amp.grad_mul,
+                    **extra)
 
     def _grad_mul(self, work: list) -> Tensor | None:
         """What the update multiplies the grads by: GradScaler's 1/scale (as GradScaler.unscale_ computes it),
@@ -305,24 +325,44 @@ class FastOptimizer(torch.optim.Optimizer):
                 if k == "step":
                     v = torch.tensor(float(v), dtype=scalar_dtype)
                 entry[k] = v
-            exported[index] = entry
+            exported[index] = storage.export_entry(entry)
         sd["state"] = exported
         return sd
 
+    def torch_state_dict(self) -> dict[str, Any]:
+        """The state_dict as torch.optim keeps it, for loading into a torch.optim optimizer: 16/8/4-bit states
+        as tensors of their param's shape and dtype (quantized ones dequantized)."""
+        sd = self.state_dict()
+        params = [p for group in self.param_groups for p in group["params"]]
+        for index, entry in sd["state"].items():
+            p = params[index]
+            plain, parts = storage.split_quantized(entry)
+            for name, saved in parts.items():
+                plain[name] = storage.import_quantized(name, saved, p)
+            sd["state"][index] = {k: storage.torch_value(v, p) for k, v in plain.items()}
+        return sd
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._check_state_dict(state_dict)
-        # cloned so that stepping never writes into the caller's checkpoint dict
+        """torch.optim's checkpoints and fastoptim's at any ``state_bits`` (a plain state is converted to
+        this optimizer's format at the next step; a quantized one is dequantized where this optimizer keeps
+        that state plain)."""
+        kept = self._check_state_dict(state_dict)
+        # cloned so that stepping never writes into the caller's checkpoint dict; stored states (quantized,
+        # 16-bit) go past torch's loader, which casts every state to the param's dtype
+        kept_names = {(index, name) for index, _, name, _ in kept}
         state_dict = dict(state_dict)
         state_dict["state"] = {k: {n: v.clone() if isinstance(v, Tensor) else copy.deepcopy(v)
-                                   for n, v in s.items()}
+                                   for n, v in storage.split_quantized(s)[0].items() if (k, n) not in kept_names}
                                for k, s in state_dict["state"].items()}
         self._resolve_skips()  # they speak of the state being replaced (the caches restart in __setstate__)
         super().load_state_dict(state_dict)
+        for _, p, name, value in kept:
+            self._state[p][name] = value
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
         state.update(impl=self.impl, flat=self.flat, max_grad_norm=self.max_grad_norm,
-                     _flat_buckets=self._flat_buckets)
+                     state_bits=self.state_bits, min_quant_size=self.min_quant_size, _flat_buckets=self._flat_buckets)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -334,6 +374,8 @@ class FastOptimizer(torch.optim.Optimizer):
         self.__dict__.setdefault("impl", "auto")
         self.__dict__.setdefault("flat", False)
         self.__dict__.setdefault("max_grad_norm", None)
+        self.__dict__.setdefault("state_bits", 32)
+        self.__dict__.setdefault("min_quant_size", storage.MIN_QUANT_SIZE)
         self.__dict__.setdefault("_flat_buckets", [])
         self.__dict__.setdefault("last_grad_norm", None)
         self._plans = {}
@@ -348,8 +390,10 @@ class FastOptimizer(torch.optim.Optimizer):
             if isinstance(step, Tensor):
                 plan.quiet_set(s, "step", int(step.item()))
 
-    def _check_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Everything torch.optim would only find halfway through loading, found before anything changes."""
+    def _check_state_dict(self, state_dict: dict[str, Any]) -> list[tuple]:
+        """Everything torch.optim would only find halfway through loading, found before anything changes.
+        Returns the states to keep as saved, past torch's casting: (index, param, name, value), quantized
+        states checked and copied, and 16-bit ones where this optimizer keeps that state at 16 bits."""
         if not isinstance(state_dict, dict) or "state" not in state_dict or "param_groups" not in state_dict:
             raise ValueError("state_dict must be a dict with 'state' and 'param_groups' entries")
         saved_groups = state_dict["param_groups"]
@@ -368,13 +412,25 @@ class FastOptimizer(torch.optim.Optimizer):
                 raise ValueError(f"loaded state dict's parameter group {i}: {e}") from None
             params += list(zip(saved["params"], group["params"]))
         by_id = dict(params)
+        group_of = {id(p): group for group in self.param_groups for p in group["params"]}
+        kept = []
         for index, state in state_dict["state"].items():
             if index not in by_id:
                 raise ValueError(f"loaded state dict has state for param {index!r}, which no group lists")
             p = by_id[index]
-            for name, value in state.items():
+            plain, parts = storage.split_quantized(state)
+            for name, value in plain.items():
                 if name == "step" or not isinstance(value, Tensor):
                     continue
                 if value.shape != p.shape:
                     raise ValueError(f"loaded state dict's {name!r} for param {index} has shape "
                                      f"{tuple(value.shape)}, the param has shape {tuple(p.shape)}")
+                if value.dtype == torch.bfloat16 != p.dtype \
+                        and self._state_format(p, name, group_of[id(p)]).bits == 16:  # kept as saved
+                    kept.append((index, p, name, value.to(p.device, copy=True)))
+            for name, saved in parts.items():
+                try:
+                    kept.append((index, p, name, storage.import_quantized(name, saved, p)))
+                except ValueError as e:
+                    raise ValueError(f"loaded state dict's param {index}: {e}") from None
+        return kept

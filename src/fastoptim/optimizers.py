@@ -2,7 +2,9 @@
 
 ``impl`` picks the level ("auto", "loop", "foreach", "fused", "compiled"; see ``fastoptim.IMPLS``);
 ``flat=True`` keeps each group's params, grads and states in one buffer per device and dtype;
-``max_grad_norm=`` clips the global grad norm inside the step (``last_grad_norm`` holds the norm).
+``max_grad_norm=`` clips the global grad norm inside the step (``last_grad_norm`` holds the norm);
+``state_bits=`` 32, 16 (bf16), 8 or 4 (block-wise quantized, for params with >= 2 dims and
+``min_quant_size`` elements) says how the state is kept (``fastoptim.storage``); a param group may set its own.
 torch.optim's ``foreach=True`` / ``fused=True`` are accepted as spellings of ``impl=``.
 """
 
@@ -24,8 +26,9 @@ class SGD(FastOptimizer):
     rule = SGDRule()
 
     def __init__(self, params, lr=1e-3, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False, *,
-                 maximize=False, impl="auto", flat=False, max_grad_norm=None, foreach=None, fused=None):
-        super().__init__(params, _impl(impl, foreach, fused), flat, max_grad_norm, lr=lr, momentum=momentum,
+                 maximize=False, impl="auto", flat=False, max_grad_norm=None, state_bits=32,
+                 min_quant_size=4096, foreach=None, fused=None):
+        super().__init__(params, _impl(impl, foreach, fused), flat, max_grad_norm, state_bits, min_quant_size, lr=lr, momentum=momentum,
                          dampening=dampening,
                          weight_decay=weight_decay, nesterov=nesterov, maximize=maximize)
 
@@ -34,8 +37,9 @@ class Adam(FastOptimizer):
     rule = AdamRule(decoupled=False)
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, amsgrad=False, *,
-                 maximize=False, impl="auto", flat=False, max_grad_norm=None, foreach=None, fused=None):
-        super().__init__(params, _impl(impl, foreach, fused), flat, max_grad_norm, lr=lr, betas=betas, eps=eps,
+                 maximize=False, impl="auto", flat=False, max_grad_norm=None, state_bits=32,
+                 min_quant_size=4096, foreach=None, fused=None):
+        super().__init__(params, _impl(impl, foreach, fused), flat, max_grad_norm, state_bits, min_quant_size, lr=lr, betas=betas, eps=eps,
                          weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize)
 
 
@@ -43,8 +47,9 @@ class AdamW(FastOptimizer):
     rule = AdamRule(decoupled=True)
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False, *,
-                 maximize=False, impl="auto", flat=False, max_grad_norm=None, foreach=None, fused=None):
-        super().__init__(params, _impl(impl, foreach, fused), flat, max_grad_norm, lr=lr, betas=betas, eps=eps,
+                 maximize=False, impl="auto", flat=False, max_grad_norm=None, state_bits=32,
+                 min_quant_size=4096, foreach=None, fused=None):
+        super().__init__(params, _impl(impl, foreach, fused), flat, max_grad_norm, state_bits, min_quant_size, lr=lr, betas=betas, eps=eps,
                          weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize)
 
 
@@ -52,8 +57,9 @@ class RMSprop(FastOptimizer):
     rule = RMSpropRule()
 
     def __init__(self, params, lr=1e-2, alpha=0.99, eps=1e-8, weight_decay=0.0, momentum=0.0, centered=False, *,
-                 maximize=False, impl="auto", flat=False, max_grad_norm=None, foreach=None, fused=None):
-        super().__init__(params, _impl(impl, foreach, fused), flat, max_grad_norm, lr=lr, alpha=alpha, eps=eps,
+                 maximize=False, impl="auto", flat=False, max_grad_norm=None, state_bits=32,
+                 min_quant_size=4096, foreach=None, fused=None):
+        super().__init__(params, _impl(impl, foreach, fused), flat, max_grad_norm, state_bits, min_quant_size, lr=lr, alpha=alpha, eps=eps,
                          weight_decay=weight_decay, momentum=momentum, centered=centered, maximize=maximize)
 
 
@@ -61,8 +67,9 @@ class Adagrad(FastOptimizer):
     rule = AdagradRule()
 
     def __init__(self, params, lr=1e-2, lr_decay=0.0, weight_decay=0.0, initial_accumulator_value=0.0,
-                 eps=1e-10, *, maximize=False, impl="auto", flat=False, max_grad_norm=None, foreach=None, fused=None):
-        super().__init__(params, _impl(impl, foreach, fused), flat, max_grad_norm, lr=lr, lr_decay=lr_decay,
+                 eps=1e-10, *, maximize=False, impl="auto", flat=False, max_grad_norm=None, state_bits=32,
+                 min_quant_size=4096, foreach=None, fused=None):
+        super().__init__(params, _impl(impl, foreach, fused), flat, max_grad_norm, state_bits, min_quant_size, lr=lr, lr_decay=lr_decay,
                          weight_decay=weight_decay, initial_accumulator_value=initial_accumulator_value,
                          eps=eps, maximize=maximize)
 
@@ -71,7 +78,8 @@ class Lion(FastOptimizer):
     rule = LionRule()
 
     def __init__(self, params, lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0, *,
-                 maximize=False, impl="auto", flat=False, max_grad_norm=None, foreach=None, fused=None):
-        super().__init__(params, _impl(impl, foreach, fused), flat, max_grad_norm, lr=lr, betas=betas,
+                 maximize=False, impl="auto", flat=False, max_grad_norm=None, state_bits=32,
+                 min_quant_size=4096, foreach=None, fused=None):
+        super().__init__(params, _impl(impl, foreach, fused), flat, max_grad_norm, state_bits, min_quant_size, lr=lr, betas=betas,
                          weight_decay=weight_decay,
                          maximize=maximize)

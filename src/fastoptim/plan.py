@@ -39,6 +39,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from . import storage
 from .flat import FlatBucket, same_layout
 from .levels import is_dtensor
 
@@ -198,6 +199,7 @@ class PlanBucket:
     convert: bool = False              # grads need the same view as params (DTensor local, complex real)
     dicts: list = field(default_factory=list)  # the owners' state dicts (None: no state), set at commit
     cache: dict = field(default_factory=dict)  # the level's own (the fused level's tensor table)
+    staged: bool | None = None         # some state is not plain (``storage.run_staged``); None: not yet known
 
     def grads(self, group_grads: list[Tensor] | None) -> list[Tensor]:
         """This step's grads for the bucket, from the group's (None in flat mode: the grads are views)."""
@@ -311,10 +313,24 @@ def _check_state_tensor(value: Any, p: Tensor, name: str, index: int) -> None:
                          f"device {p.device}")
 
 
+def _adopt(value: Any, p: Tensor, fmt: storage.Format, name: str, index: int):
+    """A state found in the param's dict, in the format it is kept in: plain ones must fit the param as
+    they are; a plain tensor found where another format is kept is converted (a torch.optim checkpoint)."""
+    if fmt.plain and not isinstance(value, storage.QuantizedState):
+        _check_state_tensor(value, p, name, index)
+        return value
+    try:
+        return storage.adopt(value, p, fmt)
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"state {name!r} of param {index} {e}") from None
+
+
 def _param_states(plan: Plan, p: Tensor, state: dict | None, names: list[str], exports_step: bool,
                   make, param_index) -> tuple[list[Tensor], int]:
-    """One param's state tensors for this step and its count; missing ones are made (``make(name)`` gives
-    the tensor and its fill) and wait in ``plan.pending``, as does a first ``step`` entry."""
+    """One param's state tensors for this step and its count. ``make(name, value)`` gives the tensor the
+    step runs on and what goes into it at commit (a fill value, a tensor to copy, or None); new ones, and
+    existing ones replaced (converted, or copied into a flat view), wait in ``plan.pending``, as does a
+    first ``step`` entry."""
     if state is not None and not plan.state_map.tracks(state):
         plan.reusable = False  # a dict of the user's own: its changes are not counted
     tensors, created = [], []
@@ -324,10 +340,8 @@ def _param_states(plan: Plan, p: Tensor, state: dict | None, names: list[str], e
         if value is None:
             created.append(name)
             plan.pending.append((p, name, target, fill))
-        else:
-            _check_state_tensor(value, p, name, param_index(p))
-            if target is not value:  # flat mode: copied into its view
-                plan.pending.append((p, name, target, value))
+        elif target is not value:  # converted to its format, or (flat mode) copied into its view
+            plan.pending.append((p, name, target, fill))
         tensors.append(target)
     count = 0 if created and not exports_step else _count(state, exports_step)
     if exports_step and (state is None or "step" not in state):
@@ -338,12 +352,12 @@ def _param_states(plan: Plan, p: Tensor, state: dict | None, names: list[str], e
     return tensors, count
 
 
-def build(rule, group: dict, params: list[Tensor], state_map: StateMap, new_state, param_index,
+def build(rule, group: dict, params: list[Tensor], state_map: StateMap, state_format, param_index,
           flat_buckets: list[FlatBucket] | None) -> Plan:
     """Work out the buckets of one group from scratch. Validates every state it will use and changes
     nothing: new states and copies into flat buffers wait in ``plan.pending`` until ``commit``.
 
-    ``new_state(p, name, group)`` makes a state tensor at its initial value; ``param_index(p)`` numbers
+    ``state_format(p, name, group)`` says how a state is kept (``storage``); ``param_index(p)`` numbers
     params in error messages. In flat mode ``params`` are all the group's params, in order.
     """
     active = rule.active(group)
@@ -357,7 +371,10 @@ def build(rule, group: dict, params: list[Tensor], state_map: StateMap, new_stat
     buckets: dict[tuple, PlanBucket] = {}
     for position, p in enumerate(params):
         def make(name, value, p=p):
-            return (new_state(p, name, group) if value is None else value), None
+            fmt = state_format(p, name, group)
+            if value is None:
+                return storage.make(p, fmt, rule.initial_value(name, group)), None
+            return _adopt(value, p, fmt, name, param_index(p)), None
         tensors, count = _param_states(plan, p, state_map.get(p), names, rule.exports_step, make, param_index)
         owner = p
         convert = is_dtensor(p) or p.is_complex()
@@ -400,8 +417,11 @@ def _build_flat(plan: Plan, rule, group: dict, fb: FlatBucket, names: list[str],
     fills = {name: rule.initial_value(name, group) for name in names}
     counts = []
     for i, p in enumerate(fb.params):
-        def make(name, value, i=i):
-            return views[name][i], (fills[name] if value is None else None)
+        def make(name, value, i=i, p=p):
+            if value is None:
+                return views[name][i], fills[name]
+            _check_state_tensor(value, p, name, param_index(p))
+            return views[name][i], value
         _, count = _param_states(plan, p, plan.state_map.get(p), names, rule.exports_step, make, param_index)
         counts.append(count)
     if len(set(counts)) == 1:  # the usual case: one pass over each flat buffer

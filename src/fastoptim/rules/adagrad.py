@@ -31,6 +31,7 @@ class AdagradRule(Rule):
     defaults = dict(lr=1e-2, lr_decay=0.0, weight_decay=0.0, initial_accumulator_value=0.0, eps=1e-10,
                     maximize=False)
     state_names = ("sum",)
+    unsigned_states = frozenset({"sum"})
     eager_state = True
     update = staticmethod(adagrad_update)
 

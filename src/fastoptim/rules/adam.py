@@ -41,6 +41,7 @@ def adam_update(p, g, exp_avg, exp_avg_sq, max_exp_avg_sq,
 
 class AdamRule(Rule):
     state_names = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+    unsigned_states = frozenset({"exp_avg_sq", "max_exp_avg_sq"})
     update = staticmethod(adam_update)
 
     def __init__(self, decoupled: bool):

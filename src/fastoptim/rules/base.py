@@ -32,6 +32,8 @@ class Rule:
     exports_step: ClassVar[bool] = True
     # torch.optim creates this optimizer's state in __init__, not on the first step
     eager_state: ClassVar[bool] = False
+    # states that are never negative (second moments, sums of squares): kept with unsigned maps at 8/4 bits
+    unsigned_states: ClassVar[frozenset] = frozenset()
     update: ClassVar[Callable[..., tuple]]
 
     def validate(self, group: dict) -> None:

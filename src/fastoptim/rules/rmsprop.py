@@ -40,6 +40,7 @@ class RMSpropRule(Rule):
     defaults = dict(lr=1e-2, alpha=0.99, eps=1e-8, weight_decay=0.0, momentum=0.0, centered=False,
                     maximize=False)
     state_names = ("square_avg", "momentum_buffer", "grad_avg")
+    unsigned_states = frozenset({"square_avg"})
     update = staticmethod(rmsprop_update)
 
     def validate(self, group):

@@ -1,1 +1,278 @@
-"""How optimizer state is stored: plain tensors, or block-wise quantized codes (``quant``)."""
+"""How optimizer state is stored, written once for every level.
+
+A state tensor is kept in a *format*:
+  * plain:  the param's dtype and shape (what torch.optim keeps; ``state_bits=32``);
+  * 16-bit: bf16, the param's shape;
+  * 8 / 4-bit: block-wise quantized codes and one fp32 absmax per block (``quant``), held in a
+    ``QuantizedState``. 8 and 4 bits apply to params with at least 2 dims and ``min_quant_size`` elements;
+    smaller ones keep plain state. The map is chosen per state: unsigned for states that are never
+    negative (the rule's ``unsigned_states``: second moments, Adagrad's sum), signed otherwise.
+
+Every level runs on plain tensors. A bucket with state in another format runs *staged* (``run_staged``):
+each state is loaded into a temporary of the param's dtype (upcast, or dequantized), the level steps the
+temporaries exactly as it steps plain state, and each is stored back (rounded to nearest, or quantized).
+So every level, and torch's own fused kernels, give the numbers of the same math on the stored values.
+A level that can load and store inside its own kernel will declare it and skip the temporaries.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch import Tensor
+
+from . import quant
+
+STATE_BITS = (32, 16, 8, 4)
+MIN_QUANT_SIZE = 4096
+
+
+@dataclass(frozen=True)
+class Format:
+    """How one state of one param is stored. ``bits`` 32 is plain (the param's dtype)."""
+    bits: int
+    signed: bool = True
+
+    @property
+    def plain(self) -> bool:
+        return self.bits == 32
+
+    @property
+    def quantized(self) -> bool:
+        return self.bits in (8, 4)
+
+    @property
+    def qmap(self) -> quant.QuantMap:
+        return quant.map_for(self.bits, self.signed)
+
+    @property
+    def block(self) -> int:
+        return quant.BLOCK[self.bits]
+
+    @property
+    def tag(self) -> str:
+        """What a checkpoint records: the map and block size (the codes mean nothing without them)."""
+        return f"{self.qmap.name}/{self.block}" if self.quantized else f"bits{self.bits}"
+
+    @staticmethod
+    def from_tag(tag: str) -> "Format":
+        for bits in (8, 4):
+            for signed in (True, False):
+                fmt = Format(bits, signed)
+                if fmt.tag == tag:
+                    return fmt
+        raise ValueError(f"unknown quantized state format {tag!r}")
+
+
+PLAIN = Format(32)
+
+
+def check_state_bits(value: Any, where: str = "state_bits") -> int:
+    if isinstance(value, bool) or value not in STATE_BITS:
+        raise ValueError(f"Invalid {where}: {value!r} (must be one of {', '.join(map(str, STATE_BITS))})")
+    return value
+
+
+def check_min_quant_size(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"Invalid min_quant_size: {value!r} (must be an int >= 0)")
+    return value
+
+
+def format_for(p: Tensor, name: str, bits: int, min_quant_size: int, unsigned_states: frozenset) -> Format:
+    """The format a state of ``p`` is kept in at ``bits``: quantized widths only for params with >= 2 dims
+    and ``min_quant_size`` elements; complex params (stepped through their real view) stay plain."""
+    if bits == 32 or p.is_complex() or not p.is_floating_point():
+        return PLAIN
+    if bits == 16:
+        return Format(16)
+    if p.dim() < 2 or p.numel() < min_quant_size:
+        return PLAIN
+    return Format(bits, signed=name not in unsigned_states)
+
+
+# --- quantized state ---------------------------------------------------------------------------------------
+
+@dataclass
+class QuantizedState:
+    """One state tensor kept as block-wise codes (``quant``): ``codes`` uint8, ``absmax`` fp32 per block."""
+    codes: Tensor
+    absmax: Tensor
+    fmt: Format
+    shape: torch.Size
+
+    @staticmethod
+    def of(values: Tensor, fmt: Format) -> "QuantizedState":
+        codes, absmax = quant.quantize(values, fmt.qmap, fmt.block)
+        return QuantizedState(codes, absmax, fmt, values.shape)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:
+        return quant.dequantize(self.codes, self.absmax, self.fmt.qmap, self.fmt.block, self.shape).to(dtype)
+
+    def store(self, values: Tensor) -> None:
+        codes, absmax = quant.quantize(values, self.fmt.qmap, self.fmt.block)
+        self.codes.copy_(codes)
+        self.absmax.copy_(absmax)
+
+    @property
+    def device(self) -> torch.device:
+        return self.codes.device
+
+    @property
+    def nbytes(self) -> int:
+        return self.codes.nbytes + self.absmax.nbytes
+
+    def __repr__(self) -> str:
+        return f"QuantizedState({self.fmt.tag}, shape={tuple(self.shape)}, device={self.device})"
+
+
+def make(p: Tensor, fmt: Format, value: float) -> Tensor | QuantizedState:
+    """A new state for ``p`` in ``fmt``, every element ``value``."""
+    if fmt.plain:
+        if p.is_complex():  # the update runs on the real view: both halves start at the value
+            value = complex(value, value)
+        return torch.full_like(p, value, memory_format=torch.preserve_format)
+    if fmt.bits == 16:
+        return torch.full_like(p, value, dtype=torch.bfloat16, memory_format=torch.contiguous_format)
+    return QuantizedState.of(torch.full(p.shape, value, dtype=torch.float32, device=p.device), fmt)
+
+
+def adopt(value: Any, p: Tensor, fmt: Format) -> Tensor | QuantizedState:
+    """``value`` (a state found in ``optimizer.state``) in ``fmt``: itself when it is already, else a plain
+    tensor of the param's shape converted (a torch.optim checkpoint loaded, or a tensor the user put in).
+    Raises ValueError naming what does not fit."""
+    if isinstance(value, QuantizedState):
+        if value.fmt == fmt and value.shape == p.shape and value.device == p.device:
+            return value
+        if fmt.quantized and value.shape == p.shape:  # another width: through fp32
+            return QuantizedState.of(value.dequantize().to(p.device), fmt)
+        return adopt(value.dequantize(p.dtype).to(p.device), p, fmt)
+    if not isinstance(value, Tensor):
+        raise TypeError(f"must be a tensor, got {type(value).__name__}")
+    if value.shape != p.shape or value.device != p.device:
+        raise ValueError(f"has shape {tuple(value.shape)}, device {value.device}; the param has shape "
+                         f"{tuple(p.shape)}, device {p.device}")
+    wanted = p.dtype if fmt.plain else torch.bfloat16 if fmt.bits == 16 else None
+    if wanted is not None and value.dtype != wanted:
+        if fmt.plain:
+            raise ValueError(f"has dtype {value.dtype}; the param has dtype {p.dtype}")
+        return value.to(torch.bfloat16)  # rounds to nearest
+    if fmt.quantized:
+        if not value.is_floating_point():
+            raise ValueError(f"has dtype {value.dtype}; a state must be floating point")
+        return QuantizedState.of(value, fmt)
+    return value
+
+
+def is_plain(state: Any, p: Tensor) -> bool:
+    return state is None or isinstance(state, Tensor) and state.dtype == p.dtype
+
+
+def nbytes(state: Any) -> int:
+    if isinstance(state, QuantizedState):
+        return state.nbytes
+    return state.nbytes if isinstance(state, Tensor) else 0
+
+
+# --- the staged path: every level on non-plain state ---------------------------------------------------
+
+def load(state: Tensor | QuantizedState, p: Tensor) -> Tensor:
+    """A temporary of the param's dtype holding the state's values."""
+    if isinstance(state, QuantizedState):
+        return state.dequantize(p.dtype)
+    return state.to(p.dtype)
+
+
+def store(state: Tensor | QuantizedState, values: Tensor) -> None:
+    if isinstance(state, QuantizedState):
+        state.store(values)
+    else:
+        state.copy_(values)  # 16-bit: rounds to nearest
+
+
+def needs_staging(params: list[Tensor], states: list[list | None]) -> bool:
+    return any(not is_plain(x, p) for s in states if s is not None for x, p in zip(s, params))
+
+
+def run_staged(run: Callable, bucket, *args, found_inf: Tensor | None = None, **kwargs) -> None:
+    """``run`` (a level) over ``bucket`` with every non-plain state loaded into a temporary of its param's
+    dtype, stored back afterwards. A step GradScaler skips is never stored: quantizing dequantized values
+    need not give the same codes back. ``found_inf`` is read here (one sync, for staged buckets only)."""
+    if found_inf is not None and found_inf.item() != 0:
+        return
+    from ..levels import Bucket
+
+    staged, states = [], []
+    for lst in bucket.states:
+        if lst is None:
+            states.append(None)
+            continue
+        temps = []
+        for state, p in zip(lst, bucket.params):
+            if is_plain(state, p):
+                temps.append(state)
+            else:
+                temp = load(state, p)
+                staged.append((state, temp))
+                temps.append(temp)
+        states.append(temps)
+    run(Bucket(bucket.params, bucket.grads, states, bucket.cache.setdefault("staged", {})), *args, **kwargs)
+    for state, temp in staged:
+        store(state, temp)
+
+
+# --- checkpoints -------------------------------------------------------------------------------------------
+
+ABSMAX, FORMAT = ".absmax", ".format"
+
+
+def export_entry(entry: dict) -> dict:
+    """A param's state for ``state_dict()``: a quantized state becomes plain tensors, ``name`` (the codes),
+    ``name.absmax`` and the format tag ``name.format``; everything else as it is."""
+    out = {}
+    for name, value in entry.items():
+        if isinstance(value, QuantizedState):
+            out[name] = value.codes
+            out[name + ABSMAX] = value.absmax
+            out[name + FORMAT] = value.fmt.tag
+        else:
+            out[name] = value
+    return out
+
+
+def split_quantized(entry: dict) -> tuple[dict, dict]:
+    """A saved param state split into what torch.optim's loader may cast (plain tensors) and the quantized
+    parts (codes, absmax, tag), which it must not (it would cast the codes to the param's dtype)."""
+    quantized = {name[:-len(FORMAT)] for name in entry if isinstance(name, str) and name.endswith(FORMAT)}
+    plain = {k: v for k, v in entry.items()
+             if not (k in quantized or isinstance(k, str) and k[:-len(ABSMAX)] in quantized and k.endswith(ABSMAX)
+                     or isinstance(k, str) and k.endswith(FORMAT))}
+    parts = {name: (entry[name], entry.get(name + ABSMAX), entry[name + FORMAT]) for name in quantized}
+    return plain, parts
+
+
+def import_quantized(name: str, parts: tuple, p: Tensor) -> QuantizedState:
+    """A saved quantized state for ``p``, checked (format, shapes, dtypes) before anything changes."""
+    codes, absmax, tag = parts
+    fmt = Format.from_tag(tag)
+    if not isinstance(codes, Tensor) or codes.dtype != torch.uint8 \
+            or tuple(codes.shape) != quant.codes_shape(p.shape, fmt.bits):
+        raise ValueError(f"state {name!r}: codes must be a uint8 tensor of shape "
+                         f"{quant.codes_shape(p.shape, fmt.bits)} for a param of shape {tuple(p.shape)}")
+    want = quant.absmax_shape(p.shape, fmt.block)
+    if not isinstance(absmax, Tensor) or absmax.dtype != torch.float32 or tuple(absmax.shape) != want:
+        raise ValueError(f"state {name!r}: absmax must be a float32 tensor of shape {want}")
+    return QuantizedState(codes.to(p.device, copy=True), absmax.to(p.device, copy=True), fmt, p.shape)
+
+
+def torch_value(value: Any, p: Tensor) -> Any:
+    """A state as torch.optim keeps it: a tensor of the param's shape and dtype (``step`` and plain states
+    unchanged)."""
+    if isinstance(value, QuantizedState):
+        return value.dequantize(p.dtype)
+    if isinstance(value, Tensor) and value.dtype == torch.bfloat16 and p.dtype != torch.bfloat16 \
+            and value.shape == p.shape:
+        return value.to(p.dtype)
+    return value
