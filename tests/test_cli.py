@@ -141,3 +141,15 @@ def test_curves_rows_run_the_level_they_name(monkeypatch):
         curves.run(["adamw"], ["foreach", "compiled"], [], steps=2)
     assert {"foreach", "compiled"} <= set(paths) and "torch_fused" not in paths
     assert levels.ROUTING is True  # restored
+
+
+def test_bench_state_bits_rows_report_their_state_bytes(tmp_path):
+    out_json = tmp_path / "b.json"
+    assert main(["bench", "--quick", "-w", "gpt", "--params", "300k", "--impl", "fused", "--flat",
+                 "--state-bits", "16", "8", "4", "--peers", "none", "--no-schedulers", "--json", str(out_json)]) == 0
+    rows = {r["label"]: r for r in json.loads(out_json.read_text())["results"][0]["rows"]}
+    full = rows["fastoptim fused"]["state_mib"]
+    for bits, share in ((16, 0.5), (8, 0.27), (4, 0.15)):
+        row = rows[f"fastoptim fused {bits}-bit state"]
+        assert row["error"] is None and row["median_ms"] > 0
+        assert row["state_mib"] < full * share + 0.1, (bits, row["state_mib"], full)  # 1-D params stay 32-bit

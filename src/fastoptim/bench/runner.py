@@ -57,12 +57,13 @@ PEER_MODES = ("none", "torch", "fp32", "all")
 
 
 def rows_for(optimizer: str, impls: list[str], flat_impls: list[str] = (), peers: str = "fp32",
-             clip: float | None = None) -> list[Row]:
+             clip: float | None = None, state_bits: tuple[int, ...] = ()) -> list[Row]:
     """The rows of one optimizer. ``peers``: "none"; "torch" (torch.optim loop / foreach / fused); "fp32"
     (also the installed libraries' full-precision optimizers); "all" (also their 8/4-bit ones and
     torch.compile of torch's step). With ``clip``, fastoptim rows clip inside the step (``max_grad_norm``),
     torch rows run ``torch.nn.utils.clip_grad_norm_`` first, and one more row shows fastoptim's fused level
-    with the separate clip pass, to read off what fusing saves."""
+    with the separate clip pass, to read off what fusing saves. ``state_bits``: more fastoptim rows, each
+    level again with its state kept at those widths (``state_bits=``)."""
     if peers not in PEER_MODES:
         raise ValueError(f"peers must be one of {PEER_MODES}, got {peers!r}")
     spec = registry.get(optimizer)
@@ -73,6 +74,9 @@ def rows_for(optimizer: str, impls: list[str], flat_impls: list[str] = (), peers
             for impl in impls]
     rows += [Row(f"fastoptim {impl} flat{tag}", "fastoptim", f"{impl}+flat",
                  lambda ps, impl=impl: spec.cls(ps, impl=impl, flat=True, **ours)) for impl in flat_impls]
+    rows += [Row(f"fastoptim {impl} {bits}-bit state{tag}", "fastoptim", f"{impl}+{bits}bit",
+                 lambda ps, impl=impl, bits=bits: spec.cls(ps, impl=impl, state_bits=bits, **ours))
+             for bits in state_bits if bits != 32 for impl in impls]
     if clip:
         from ..clip import clip_grad_norm_
         rows.append(Row("fastoptim fused + clip_grad_norm_", "fastoptim", "fused",
@@ -148,7 +152,12 @@ def _state_values(state):
 
 
 def state_bytes(opt) -> int:
-    return sum(_tensor_bytes(v) for s in opt.state.values() for v in _state_values(s) if isinstance(v, torch.Tensor))
+    """Bytes of state tensors (quantized ones: codes and scales), not counting step counters."""
+    from ..storage import QuantizedState
+
+    return sum(v.nbytes if isinstance(v, QuantizedState) else _tensor_bytes(v)
+               for s in opt.state.values() for v in _state_values(s)
+               if isinstance(v, (torch.Tensor, QuantizedState)))
 
 
 def run_workload(shapes, rows: list[Row], rounds: int, steps_per_round: int, warmup: int,

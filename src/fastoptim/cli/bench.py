@@ -40,6 +40,8 @@ def add_parser(sub) -> None:
                         "optimizers, torchao's, and torch.compile of torch's step) (default: fp32)")
     p.add_argument("--no-peers", action="store_const", const="none", dest="peers",
                    help="same as --peers none")
+    p.add_argument("--state-bits", type=int, nargs="+", default=[], choices=(16, 8, 4), metavar="BITS",
+                   help="time each level again with its state kept at these widths: 16, 8, 4 (state_bits=)")
     p.add_argument("--own-paths", action="store_true",
                    help="every level runs its own path (no routing to a faster level's path)")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
@@ -98,7 +100,7 @@ def _run(args: argparse.Namespace) -> int:
         if args.quick and workload == "mlp2000":
             shapes = shapes[:400]  # 200 layers
         for optimizer in args.optimizer:
-            rows = bench.rows_for(optimizer, args.impl, args.flat, args.peers, args.clip)
+            rows = bench.rows_for(optimizer, args.impl, args.flat, args.peers, args.clip, tuple(args.state_bits))
             jobs.append((workload, optimizer, shapes, rows))
     total = sum(len(rows) * (1 + args.rounds) for *_, rows in jobs)
     results = []
