@@ -246,10 +246,9 @@ def split_quantized(entry: dict) -> tuple[dict, dict]:
     """A saved param state split into what torch.optim's loader may cast (plain tensors) and the quantized
     parts (codes, absmax, tag), which it must not (it would cast the codes to the param's dtype)."""
     quantized = {name[:-len(FORMAT)] for name in entry if isinstance(name, str) and name.endswith(FORMAT)}
-    plain = {k: v for k, v in entry.items()
-             if not (k in quantized or isinstance(k, str) and k[:-len(ABSMAX)] in quantized and k.endswith(ABSMAX)
-                     or isinstance(k, str) and k.endswith(FORMAT))}
-    parts = {name: (entry[name], entry.get(name + ABSMAX), entry[name + FORMAT]) for name in quantized}
+    taken = {key for name in quantized for key in (name, name + ABSMAX, name + FORMAT)}
+    plain = {k: v for k, v in entry.items() if k not in taken}
+    parts = {name: (entry.get(name), entry.get(name + ABSMAX), entry[name + FORMAT]) for name in quantized}
     return plain, parts
 
 
