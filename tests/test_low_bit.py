@@ -3,8 +3,8 @@
 Per-step error against the 32-bit optimizer, with the low-bit state re-synced from the 32-bit state before
 every step (so errors never accumulate and each step's error is the storage's alone): the L2 norm of the
 difference of the two updates over the L2 norm of the 32-bit update, worst of 8 steps, must stay under
-``STEP_ERROR`` (about twice what was measured on this test's data: 16-bit 0.16 %, 8-bit 1.0 %, 4-bit 25 %;
-Lion, whose update is a sign, 4 % / 9 % / 31 %, from sign flips where its interpolation is near 0).
+``STEP_ERROR`` (about twice what was measured on a random 48x80 matrix: 16-bit 0.16 %, 8-bit 1.05 %, 4-bit 24 %;
+Lion, whose update is a sign, 4 % / 9 % / 30 %, from sign flips where its interpolation is near 0).
 """
 
 import copy
@@ -225,13 +225,17 @@ def test_bad_state_bits_and_bad_checkpoints_are_named_and_change_nothing():
     opt.step()
     good = opt.state_dict()
     bad = copy.deepcopy(good)
-    bad["state"][0]["exp_avg"] = bad["state"][0]["exp_avg"][:10]
+    bad["state"][0]["exp_avg.codes"] = bad["state"][0]["exp_avg.codes"][:10]
     before = copy.deepcopy(opt.state_dict())
     with pytest.raises(ValueError, match=r"param 0: state 'exp_avg': codes must be a uint8 tensor of shape"):
         opt.load_state_dict(bad)
     bad = copy.deepcopy(good)
-    bad["state"][0]["exp_avg.format"] = "dynamic9s/256"
+    bad["state"][0]["exp_avg.format"] = "dynamic9s/256 [64, 64]"
     with pytest.raises(ValueError, match="unknown quantized state format 'dynamic9s/256'"):
+        opt.load_state_dict(bad)
+    bad = copy.deepcopy(good)
+    bad["state"][0]["exp_avg.format"] = "dynamic8s/256 [64, 63]"
+    with pytest.raises(ValueError, match=r"saved for a param of shape \[64, 63\], this param has shape \[64, 64\]"):
         opt.load_state_dict(bad)
     now = opt.state_dict()
     for k, v in before["state"][0].items():
@@ -251,3 +255,100 @@ def test_reset_state_is_made_again_in_its_format():
     _grads(g, ps)
     opt.step()
     assert isinstance(opt.state[ps[0]]["exp_avg"], storage.QuantizedState)
+
+
+def test_torch_optim_refuses_a_quantized_state_dict_loudly():
+    """No quantized entry keeps the state's own name, so torch.optim cannot take codes for moments."""
+    ps, g = _params(6)
+    ours = fastoptim.AdamW(ps, state_bits=8, min_quant_size=0)
+    _grads(g, ps)
+    ours.step()
+    sd = ours.state_dict()
+    assert "exp_avg" not in sd["state"][0] and sd["state"][0]["exp_avg.format"] == "dynamic8s/256 [48, 80]"
+    ref = torch.optim.AdamW([torch.nn.Parameter(p.detach().clone()) for p in ps])
+    ref.load_state_dict(sd)
+    for p in ref.param_groups[0]["params"]:
+        p.grad = torch.ones_like(p)
+    with pytest.raises(KeyError, match="exp_avg"):
+        ref.step()
+
+
+def test_a_4_bit_checkpoint_of_another_row_length_is_refused():
+    """(48, 80) and (48, 79) pack to the same code and absmax shapes: the saved shape tells them apart."""
+    a = torch.nn.Parameter(torch.randn(48, 80))
+    opt = fastoptim.AdamW([a], state_bits=4, min_quant_size=0)
+    a.grad = torch.randn_like(a)
+    opt.step()
+    other = fastoptim.AdamW([torch.nn.Parameter(torch.randn(48, 79))], state_bits=4, min_quant_size=0)
+    with pytest.raises(ValueError, match=r"saved for a param of shape \[48, 80\]"):
+        other.load_state_dict(opt.state_dict())
+
+
+def test_a_tiny_second_moment_beside_a_large_one_is_never_divided_as_zero():
+    """One large grad in a block and tiny ones around it: at 8 bits the tiny second moments must not round
+    to 0 (m / eps would step thousands of times too far). The update stays within the 32-bit one's size."""
+    steps = {}
+    for bits in (32, 8, 4):
+        p = torch.nn.Parameter(torch.zeros(4, 256))
+        opt = fastoptim.Adam([p], lr=1e-3, state_bits=bits, min_quant_size=0)
+        grad = torch.full((4, 256), 1e-4)
+        grad[:, 0] = 1.0
+        p.grad = grad
+        opt.step()
+        before = p.detach().clone()
+        p.grad = torch.zeros(4, 256)
+        opt.step()
+        steps[bits] = (p - before)[:, 1:].abs().max().item()
+    assert steps[8] <= 1.5 * steps[32] and steps[4] <= 1.5 * steps[32], steps
+
+
+def test_centered_rmsprop_refuses_quantized_state_by_name():
+    p = torch.nn.Parameter(torch.randn(64, 64))
+    with pytest.raises(ValueError, match=r"RMSprop with state_bits=8: centered=True takes sqrt"):
+        fastoptim.RMSprop([p], centered=True, state_bits=8)
+    opt = fastoptim.RMSprop([p], state_bits=8, min_quant_size=0)
+    p.grad = torch.randn_like(p)
+    opt.step()
+    opt.param_groups[0]["centered"] = True  # edited by hand: refused at the next step, nothing changed
+    before = p.detach().clone()
+    with pytest.raises(ValueError, match="centered=True"):
+        opt.step()
+    assert torch.equal(p, before) and opt.state[p]["step"] == 1
+
+
+@pytest.mark.parametrize("bits", BITS)
+def test_the_loading_optimizer_keeps_its_own_state_bits(bits):
+    """A checkpoint says what the state was; the optimizer it is loaded into says how it is kept."""
+    ps, g = _params(7)
+    saver = fastoptim.AdamW(ps, lr=1e-2, state_bits=bits, min_quant_size=0)
+    _grads(g, ps)
+    saver.step()
+    qs = [torch.nn.Parameter(p.detach().clone()) for p in ps]
+    loader = fastoptim.AdamW([{"params": qs[:1], "state_bits": bits}, {"params": qs[1:]}], lr=1e-2,
+                             min_quant_size=0)
+    sd = saver.state_dict()  # regrouped as the loader's two groups
+    sd["param_groups"] = [{**sd["param_groups"][0], "params": [0]},
+                          {**sd["param_groups"][0], "params": [1, 2]}]
+    loader.load_state_dict(sd)
+    assert loader.param_groups[0]["state_bits"] == bits and "state_bits" not in loader.param_groups[1]
+    _grads(g, qs)
+    loader.step()
+    kept = loader.state[qs[0]]["exp_avg"]
+    assert (kept.dtype == torch.bfloat16) if bits == 16 else isinstance(kept, storage.QuantizedState)
+    assert loader.state[qs[1]]["exp_avg"].dtype == torch.float32  # the loader's second group is 32-bit
+
+
+def test_state_bits_edited_on_a_group_apply_at_the_next_step_and_are_checked():
+    p = torch.nn.Parameter(torch.randn(64, 128))
+    opt = fastoptim.AdamW([p], lr=1e-2)
+    p.grad = torch.randn_like(p)
+    opt.step()
+    opt.param_groups[0]["state_bits"] = 8
+    p.grad = torch.randn_like(p)
+    opt.step()
+    assert isinstance(opt.state[p]["exp_avg"], storage.QuantizedState)
+    opt.param_groups[0]["state_bits"] = 7
+    before = p.detach().clone()
+    with pytest.raises(ValueError, match="Invalid state_bits of a param group: 7"):
+        opt.step()
+    assert torch.equal(p, before)

@@ -51,10 +51,7 @@ def test_maps_are_sorted_tables_of_their_width_in_unit_range(qmap, block):
     assert len(v) == 2 ** qmap.bits and list(v) == sorted(set(v))
     assert v[-1] == 1.0 and -1.0 <= v[0]
     assert all(float(torch.tensor(x, dtype=torch.float32)) == x for x in v)  # stored exactly in fp32
-    if qmap.name == "linear4":
-        assert 0.0 not in v  # a second moment never rounds to zero
-    else:
-        assert 0.0 in v
+    assert (0.0 in v) == qmap.signed  # unsigned maps hold second moments: never rounded to zero
 
 
 def test_dynamic_map_has_the_paper_s_magnitudes():
@@ -65,7 +62,7 @@ def test_dynamic_map_has_the_paper_s_magnitudes():
     assert min(positive) == pytest.approx(0.55e-6, rel=1e-6)
     assert sum(0.1 <= x < 1 for x in positive) == 64
     unsigned = quant.dynamic(8, False).values
-    assert sum(0.1 <= x < 1 for x in unsigned) == 128 and min(x for x in unsigned if x > 0) > 1e-7
+    assert sum(0.1 <= x < 1 for x in unsigned) == 128 and min(unsigned) == pytest.approx(0.55e-7, rel=1e-6)
 
 
 @pytest.mark.parametrize("qmap,block", MAPS, ids=IDS)
@@ -90,7 +87,7 @@ def test_blocks_of_zeros_a_lone_huge_value_and_exact_midpoints(qmap, block):
     assert torch.equal(unpacked(codes, qmap, x.shape), brute_force(x, qmap, block)[0])
     y = quant.dequantize(codes, absmax, qmap, block, x.shape)
     assert y[1, 3] == x[1, 3]  # the block's largest value comes back exactly (1.0 is in every map)
-    zero_code = 0 if qmap.name == "linear4" else qmap.values.index(0.0)
+    zero_code = qmap.values.index(0.0) if qmap.signed else 0
     assert (unpacked(codes, qmap, x.shape)[0] == zero_code).all() and (y[0] == 0).all()  # all-zero blocks
     # values at exact midpoints between neighbouring codes go to the lower code, as the arg-min does
     v = torch.tensor(qmap.values, dtype=torch.float64)
@@ -119,7 +116,7 @@ def test_dequantize_error_is_bounded_by_half_the_widest_gap(qmap, block):
     y = quant.dequantize(codes, absmax, qmap, block, x.shape)
     v = torch.tensor(qmap.values)
     widest = (v[1:] - v[:-1]).max().item()
-    if qmap.name == "linear4":
+    if not qmap.signed:
         widest = max(widest, 2 * v[0].item())  # below the smallest code: up to it, not to zero
     per_element_absmax = quant.dequantize(torch.full_like(codes, 255 if qmap.bits == 8 else 0xFF), absmax, qmap,
                                           block, x.shape)  # 1.0 * absmax of each element's block
@@ -164,3 +161,13 @@ def test_state_bytes_per_element():
     for bits, block in quant.BLOCK.items():
         nbytes = math.prod(quant.codes_shape(shape, bits)) + 4 * math.prod(quant.absmax_shape(shape, block))
         assert nbytes / math.prod(shape) == bits / 8 + 4 / block
+
+
+@pytest.mark.parametrize("qmap", [quant.dynamic(8, False), quant.linear_no_zero(4)], ids=["dynamic8u", "linear4"])
+def test_unsigned_maps_never_round_a_positive_value_to_zero(qmap):
+    """A second moment 1e-12 of its block's largest still comes back positive (it is divided by)."""
+    x = torch.full((1, 256), 1e-12)
+    x[0, 0] = 1.0
+    codes, absmax = quant.quantize(x, qmap, 256)
+    y = quant.dequantize(codes, absmax, qmap, 256, x.shape)
+    assert (y > 0).all() and y[0, 1] == qmap.values[0]

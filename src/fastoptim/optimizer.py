@@ -66,6 +66,9 @@ def _is_shaped(value) -> bool:
     return isinstance(value, Tensor) and value.dim() > 0
 
 
+STORAGE_SETTINGS = ("state_bits", "min_quant_size")  # group keys that say how state is kept
+
+
 class FastOptimizer(torch.optim.Optimizer):
     rule: Rule
     _step_supports_amp_scaling = True
@@ -133,6 +136,7 @@ class FastOptimizer(torch.optim.Optimizer):
         for k, v in self.defaults.items():
             candidate.setdefault(k, v)
         self.rule.validate(candidate)
+        self._check_storage(candidate)
         if self.flat:  # checked before torch adds the group: a refused group leaves no trace
             params = param_group["params"]
             param_group["params"] = params = [params] if isinstance(params, Tensor) else list(params)
@@ -162,10 +166,25 @@ class FastOptimizer(torch.optim.Optimizer):
     def _new_state(self, p: Tensor, name: str, group: dict) -> Tensor | storage.QuantizedState:
         return storage.make(p, self._state_format(p, name, group), self.rule.initial_value(name, group))
 
+    def _storage_settings(self, group: dict) -> tuple[int, int]:
+        """The group's ``state_bits`` and ``min_quant_size`` (the optimizer's where the group sets none)."""
+        return group.get("state_bits", self.state_bits), group.get("min_quant_size", self.min_quant_size)
+
+    def _check_storage(self, group: dict) -> None:
+        """A group's storage settings, as given or as edited by hand, before anything is made with them."""
+        bits, min_quant_size = self._storage_settings(group)
+        storage.check_state_bits(bits, "state_bits of a param group")
+        storage.check_min_quant_size(min_quant_size)
+        if self.flat and bits != 32:
+            raise ValueError("flat=True keeps 32-bit state; a param group's state_bits must be 32")
+        why = self.rule.refuses_quantized_state(group) if bits in (8, 4) else None
+        if why:
+            raise ValueError(f"{type(self).__name__} with state_bits={bits}: {why}")
+
     def _state_format(self, p: Tensor, name: str, group: dict) -> storage.Format:
         """How a state of ``p`` is kept: the group's ``state_bits`` (the optimizer's by default)."""
-        return storage.format_for(p, name, group.get("state_bits", self.state_bits),
-                                  group.get("min_quant_size", self.min_quant_size), self.rule.unsigned_states)
+        bits, min_quant_size = self._storage_settings(group)
+        return storage.format_for(p, name, bits, min_quant_size, self.rule.unsigned_states)
 
     # --- the step -------------------------------------------------------------------------------
 
@@ -201,12 +220,16 @@ class FastOptimizer(torch.optim.Optimizer):
         if not params:
             return None
         cached = self._plans.get(index)
-        if cached is not None and cached.fits(params, self.rule.active(group), self._state):
+        shape = (self.rule.active(group), self._storage_settings(group))  # what the plan's buckets follow from
+        if cached is not None and cached.fits(params, shape, self._state):
             return cached
+        self._check_storage(group)
         if self.flat:
             self._check_flat_group(index, group)
-        return plan.build(self.rule, group, params, self._state, self._state_format, self._param_index,
-                          self._flat_buckets[index] if self.flat else None)
+        built = plan.build(self.rule, group, params, self._state, self._state_format, self._param_index,
+                           self._flat_buckets[index] if self.flat else None)
+        built.active = shape
+        return built
 
     def _run_plan(self, index: int, step_plan: plan.Plan, group: dict, grads: list[Tensor] | None,
                   amp: "_Amp") -> None:
@@ -343,9 +366,9 @@ class FastOptimizer(torch.optim.Optimizer):
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """torch.optim's checkpoints and fastoptim's at any ``state_bits`` (a plain state is converted to
-        this optimizer's format at the next step; a quantized one is dequantized where this optimizer keeps
-        that state plain)."""
+        """torch.optim's checkpoints and fastoptim's at any ``state_bits``. How state is kept stays this
+        optimizer's choice (its groups keep their ``state_bits`` and ``min_quant_size``): a saved state in
+        another format is converted at the next step."""
         kept = self._check_state_dict(state_dict)
         # cloned so that stepping never writes into the caller's checkpoint dict; stored states (quantized,
         # 16-bit) go past torch's loader, which casts every state to the param's dtype
@@ -355,7 +378,12 @@ class FastOptimizer(torch.optim.Optimizer):
                                    for n, v in storage.split_quantized(s)[0].items() if (k, n) not in kept_names}
                                for k, s in state_dict["state"].items()}
         self._resolve_skips()  # they speak of the state being replaced (the caches restart in __setstate__)
+        own = [{k: group[k] for k in STORAGE_SETTINGS if k in group} for group in self.param_groups]
         super().load_state_dict(state_dict)
+        for group, settings in zip(self.param_groups, own):  # how state is kept is this optimizer's choice
+            for k in STORAGE_SETTINGS:
+                group.pop(k, None)
+            group.update(settings)
         for _, p, name, value in kept:
             self._state[p][name] = value
 

@@ -11,7 +11,8 @@ What a plan caches (one per param group):
   * the state mapping it was built from, and that mapping's ``version``.
 
 What makes it stale, checked at every step before anything runs:
-  * another list of params with grads (compared by identity), or another set of active states;
+  * another list of params with grads (compared by identity), another set of active states, or other
+    storage settings (``state_bits``, ``min_quant_size``: the optimizer puts them into ``Plan.active``);
   * a param's data moved or re-laid (``p.data = ...``, ``p.t_()``, a resize: address, strides or shape);
   * ``optimizer.state`` replaced by another mapping;
   * any change made through the mapping or a per-param dict: a cleared or deleted state, a state tensor
@@ -215,7 +216,7 @@ class PlanBucket:
 class Plan:
     """One param group's buckets, and what they were built from."""
     params: list[Tensor]
-    active: tuple
+    active: tuple                      # the group's settings its buckets follow from (active states, storage)
     state_map: StateMap
     version: int
     buckets: list[PlanBucket] = field(default_factory=list)

@@ -51,6 +51,10 @@ class Rule:
     def initial_value(self, name: str, group: dict) -> float:
         return 0.0
 
+    def refuses_quantized_state(self, group: dict) -> str | None:
+        """Why this group's math cannot run on 8/4-bit state (None: it can)."""
+        return None
+
     # torch's own fused kernel for the same math, where one exists: ``torch_fused(params, grads, states,
     # group, step, grad_scale, found_inf)`` with ``states`` per ``state_names`` (None when inactive) and
     # ``step`` this step's count. None: no such kernel.

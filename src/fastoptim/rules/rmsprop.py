@@ -48,6 +48,12 @@ class RMSpropRule(Rule):
         check_unit_interval("alpha", group["alpha"])
         check_bool(group, "centered", "maximize")
 
+    def refuses_quantized_state(self, group):
+        if group["centered"]:
+            return ("centered=True takes sqrt(square_avg - grad_avg**2): with the two quantized apart the "
+                    "difference goes negative and the step turns NaN; use state_bits=16 or 32")
+        return None
+
     def active(self, group):
         return (True, nonzero(group["momentum"]), group["centered"])
 

@@ -225,18 +225,20 @@ def run_staged(run: Callable, bucket, *args, found_inf: Tensor | None = None, **
 
 # --- checkpoints -------------------------------------------------------------------------------------------
 
-ABSMAX, FORMAT = ".absmax", ".format"
+CODES, ABSMAX, FORMAT = ".codes", ".absmax", ".format"
 
 
 def export_entry(entry: dict) -> dict:
-    """A param's state for ``state_dict()``: a quantized state becomes plain tensors, ``name`` (the codes),
-    ``name.absmax`` and the format tag ``name.format``; everything else as it is."""
+    """A param's state for ``state_dict()``: a quantized state becomes plain tensors, ``name.codes`` (uint8),
+    ``name.absmax`` (fp32) and ``name.format`` (the map, block and shape: "dynamic8s/256 [48, 80]"). No entry
+    keeps the name itself, so torch.optim fails loudly on such a checkpoint instead of reading codes as
+    moments (``torch_state_dict()`` is the one to give it); everything else as it is."""
     out = {}
     for name, value in entry.items():
         if isinstance(value, QuantizedState):
-            out[name] = value.codes
+            out[name + CODES] = value.codes
             out[name + ABSMAX] = value.absmax
-            out[name + FORMAT] = value.fmt.tag
+            out[name + FORMAT] = f"{value.fmt.tag} {list(value.shape)}"
         else:
             out[name] = value
     return out
@@ -244,18 +246,22 @@ def export_entry(entry: dict) -> dict:
 
 def split_quantized(entry: dict) -> tuple[dict, dict]:
     """A saved param state split into what torch.optim's loader may cast (plain tensors) and the quantized
-    parts (codes, absmax, tag), which it must not (it would cast the codes to the param's dtype)."""
+    parts (codes, absmax, format), which it must not (it would cast the codes to the param's dtype)."""
     quantized = {name[:-len(FORMAT)] for name in entry if isinstance(name, str) and name.endswith(FORMAT)}
-    taken = {key for name in quantized for key in (name, name + ABSMAX, name + FORMAT)}
+    taken = {name + suffix for name in quantized for suffix in (CODES, ABSMAX, FORMAT)}
     plain = {k: v for k, v in entry.items() if k not in taken}
-    parts = {name: (entry.get(name), entry.get(name + ABSMAX), entry[name + FORMAT]) for name in quantized}
+    parts = {name: (entry.get(name + CODES), entry.get(name + ABSMAX), entry[name + FORMAT]) for name in quantized}
     return plain, parts
 
 
 def import_quantized(name: str, parts: tuple, p: Tensor) -> QuantizedState:
-    """A saved quantized state for ``p``, checked (format, shapes, dtypes) before anything changes."""
-    codes, absmax, tag = parts
+    """A saved quantized state for ``p``, checked (format, shape, dtypes) before anything changes."""
+    codes, absmax, described = parts
+    tag, _, shape = str(described).partition(" ")
     fmt = Format.from_tag(tag)
+    if shape != str(list(p.shape)):
+        raise ValueError(f"state {name!r} was saved for a param of shape {shape}, this param has shape "
+                         f"{list(p.shape)}")
     if not isinstance(codes, Tensor) or codes.dtype != torch.uint8 \
             or tuple(codes.shape) != quant.codes_shape(p.shape, fmt.bits):
         raise ValueError(f"state {name!r}: codes must be a uint8 tensor of shape "

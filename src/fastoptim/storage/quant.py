@@ -18,8 +18,12 @@ Layout of one quantized tensor:
 Maps (sorted ascending, 2**bits values in [-1, 1]):
   * ``dynamic(bits, signed)``: dynamic tree quantization (Dettmers et al. 2021, "8-bit Optimizers via
     Block-wise Quantization"). After the sign bit, E leading zero bits pick the magnitude 10**-E, the
-    next bit ends the run, and the bits left index linear fractions of [0.1, 1] (bin midpoints). Zero and
-    1.0 complete the table. Signed for first moments and momentum, unsigned for second moments.
+    next bit ends the run, and the bits left index linear fractions of [0.1, 1] (bin midpoints); 1.0
+    completes the table. Signed (first moments, momentum): zero is a code. Unsigned (second moments):
+    *no* zero; the code that would be zero is one more magnitude, 10**-(bits-1) * 0.55. A second moment
+    is divided by: one rounded to zero beside a large one in its block would turn m / (sqrt(v) + eps)
+    into m / eps (thousands of times the step); without zero it rounds up to at least that magnitude
+    times the block's absmax. An all-zero block still comes back as zeros (its absmax is 0).
   * ``linear_no_zero(bits)``: ``(k + 1) / 2**bits``, k = 0 .. 2**bits - 1 (Li et al. 2023, "Memory
     Efficient Optimizers with 4-bit States"): the 4-bit map of second moments, which must never round
     a small positive value to zero (it would be divided by).
@@ -40,9 +44,9 @@ BLOCK = {8: 256, 4: 128}  # elements per block at each width
 def dynamic_map_values(bits: int, signed: bool) -> list[float]:
     """The dynamic map's values, sorted, in float64 (rounded to fp32 where they are stored)."""
     fraction_bits_at_top = bits - 1 - (1 if signed else 0)  # after the sign and the run-ending bit
-    values = {0.0, 1.0}
-    for exponent in range(bits - 1):  # 10**0 .. 10**-(bits-2); each level has one fraction bit fewer
-        bins = 2 ** (fraction_bits_at_top - exponent)
+    values = {0.0, 1.0} if signed else {1.0}
+    for exponent in range(bits if not signed else bits - 1):  # unsigned: one more magnitude, no zero
+        bins = max(2 ** (fraction_bits_at_top - exponent), 1)
         scale = 10.0 ** -exponent
         for k in range(bins):
             mid = 0.1 + 0.9 * (k + 0.5) / bins  # midpoint of bin k of [0.1, 1]
