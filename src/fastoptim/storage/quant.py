@@ -24,6 +24,10 @@ Maps (sorted ascending, 2**bits values in [-1, 1]):
     is divided by: one rounded to zero beside a large one in its block would turn m / (sqrt(v) + eps)
     into m / eps (thousands of times the step); without zero it rounds up to at least that magnitude
     times the block's absmax. An all-zero block still comes back as zeros (its absmax is 0).
+  * Both ends: every map holds 1.0, and a signed map -1.0 too (in place of its smallest negative
+    magnitude, 10**-(bits-2) * 0.55), so a block's largest value comes back exactly whatever its sign, and
+    quantizing dequantized codes gives the same codes: a state that goes through fp32 and back (a
+    checkpoint converted twice, a level that stores what it loaded) never drifts.
   * ``linear_no_zero(bits)``: ``(k + 1) / 2**bits``, k = 0 .. 2**bits - 1 (Li et al. 2023, "Memory
     Efficient Optimizers with 4-bit States"): the 4-bit map of second moments, which must never round
     a small positive value to zero (it would be divided by).
@@ -53,6 +57,9 @@ def dynamic_map_values(bits: int, signed: bool) -> list[float]:
             values.add(scale * mid)
             if signed:
                 values.add(-scale * mid)
+    if signed:  # -1.0 in place of the smallest negative magnitude: see "Both ends" above
+        values.remove(max(v for v in values if v < 0))
+        values.add(-1.0)
     out = sorted(values)
     assert len(out) == 2 ** bits, (bits, signed, len(out))
     return out
