@@ -10,6 +10,11 @@ state read through ``optimizer.state`` and the whole ``state_dict()`` must agree
 Flat mode runs where its semantics agree with torch's: every param has a grad at every step (flat
 mode steps a missing grad as zeros, torch skips the param).
 
+With ``state_bits`` 16, 8 or 4 the same programs run with low-bit state (every matrix quantized), and
+torch's twin keeps each of its states rounded as fastoptim's storage keeps it (``_as_stored``): quantizing
+dequantized codes gives the same codes, so both sides hold the same values, and every state of a param that
+stepped must be kept at its width.
+
 CI runs a bounded number of programs per level; ``FASTOPTIM_STATEFUL_EXAMPLES=2000`` runs many more.
 """
 
@@ -25,6 +30,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
     run_state_machine_as_test
 
 from conftest import assert_state_close
+from fastoptim import storage
 from fastoptim.levels import LEVELS, record_paths
 from fastoptim.registry import OPTIMIZERS
 from fastoptim.reference import reference_class, reference_kwargs
@@ -53,21 +59,29 @@ def _fresh_state_like_torch_init(ref, spec, params=None):
 class UserProgram(RuleBasedStateMachine):
     level = "loop"          # set per test by a subclass
     expected_path = None    # a path every step must take, where a level promises one
+    state_bits = 32         # below 32: torch's twin keeps each state as the storage would (``_as_stored``)
 
     @initialize(name=st.sampled_from(sorted(OPTIMIZERS)), option=st.integers(0, 3), flat=st.booleans(),
                 seed=st.integers(0, 2 ** 16))
     def build(self, name, option, flat, seed):
         self.spec = spec = OPTIMIZERS[name]
         self.opts = dict(spec.option_sets[option % len(spec.option_sets)])
-        self.flat = flat
+        low = {}
+        if self.state_bits != 32:  # flat mode keeps 32-bit state; every matrix is quantized
+            flat, low = False, dict(state_bits=self.state_bits, min_quant_size=0)
+            if self.state_bits in (8, 4) and spec.cls.rule.refuses_quantized_state({**spec.cls.rule.defaults,
+                                                                                    **self.opts}):
+                self.opts = dict(spec.option_sets[0])  # (centered RMSprop: refused by name, tested apart)
+        self.flat, self.low = flat, low
         self.gen = torch.Generator().manual_seed(seed)
         self.ours_p = [torch.nn.Parameter(torch.randn(s, generator=self.gen)) for s in SHAPES]
         self.ref_p = [torch.nn.Parameter(p.detach().clone()) for p in self.ours_p]
-        self.ours = spec.cls(self._groups(self.ours_p), impl=self.level, flat=flat, **self.opts)
+        self.ours = spec.cls(self._groups(self.ours_p), impl=self.level, flat=flat, **low, **self.opts)
         self.ref = reference_class(spec)(self._groups(self.ref_p), **self.opts, **reference_kwargs(spec))
         self.scalers = None
         self.added = 0
         self.defer_check = False
+        self._as_stored()  # (Adagrad makes its state at once)
 
     def _groups(self, params):
         return [{"params": params[:2]}, {"params": params[2:], "lr": self.opts.get("lr", 1e-3) * 0.5}]
@@ -98,11 +112,16 @@ class UserProgram(RuleBasedStateMachine):
         return present
 
     def _step(self, step_ours, step_ref, skipped=False):
+        stepping = [b for b in self.ref_p if b.grad is not None]  # (flat mode: every param has a grad)
         with record_paths() as paths:
             step_ours()
         if not skipped:  # (torch's GradScaler does not call a step it skips)
             _fresh_state_like_torch_init(self.ref, self.spec)
+            self._as_stored(stepping)
         step_ref()
+        self._as_stored(stepping)
+        if not skipped:
+            self._check_stored_at_its_width(stepping)
         if self.expected_path and paths:
             assert self.expected_path in paths, paths
 
@@ -119,7 +138,9 @@ class UserProgram(RuleBasedStateMachine):
                 s.scale(torch.ones(()))
         ours_s, ref_s = self.scalers
         self._set_grads(data, scale=ours_s.get_scale(), inf=inf, at_least_one=True)
-        self._step(lambda: ours_s.step(self.ours), lambda: ref_s.step(self.ref), skipped=inf)
+        # skipped where an inf really went in (the draw may have picked a param without a grad)
+        placed = any(bool(b.grad.isinf().any()) for b in self.ref_p if b.grad is not None)
+        self._step(lambda: ours_s.step(self.ours), lambda: ref_s.step(self.ref), skipped=placed)
         ours_s.update()
         ref_s.update()
         assert ours_s.get_scale() == ref_s.get_scale()
@@ -154,7 +175,7 @@ class UserProgram(RuleBasedStateMachine):
         name = data.draw(st.sampled_from(names), label="state")
         value = torch.rand(self.ref_p[i].shape, generator=self.gen) * 0.1  # >= 0: fine for second moments too
         self.ours.state[self.ours_p[i]][name] = value.clone()
-        ref_state[name] = value.clone()
+        ref_state[name] = value.clone()  # (as put, on both sides, until the next step converts it)
 
     @precondition(lambda self: self.spec.cls.rule.exports_step)
     @rule(data=st.data(), step=st.integers(0, 3))
@@ -175,7 +196,7 @@ class UserProgram(RuleBasedStateMachine):
         saved = torch.load(buffer)
         groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": list(g["params"])}
                   for g in self.ours.param_groups]
-        fresh = self.spec.cls(groups, impl=self.level, flat=self.flat, **self.opts)
+        fresh = self.spec.cls(groups, impl=self.level, flat=self.flat, **self.low, **self.opts)
         fresh.load_state_dict(saved)
         self.ours = fresh
 
@@ -190,11 +211,47 @@ class UserProgram(RuleBasedStateMachine):
         self.ours_p.append(p)
         self.ref_p.append(q)
         self.added += 1
+        self._as_stored([q])
 
     @rule()
     def zero_grad(self):
         self.ours.zero_grad(set_to_none=True)
         self.ref.zero_grad(set_to_none=True)
+
+    def _check_stored_at_its_width(self, stepped):
+        """The storage is really in use: every state of a param that stepped is kept as its format says."""
+        if self.state_bits == 32:
+            return
+        groups = {id(p): g for g in self.ours.param_groups for p in g["params"]}
+        for a, b in zip(self.ours_p, self.ref_p):
+            if not any(b is q for q in stepped):
+                continue
+            for name, value in (self.ours.state.get(a) or {}).items():
+                if name == "step":
+                    continue
+                fmt = self.ours._state_format(a, name, groups[id(a)])
+                kind = ("QuantizedState" if fmt.quantized else "Tensor", torch.bfloat16 if fmt.bits == 16
+                        else None if fmt.quantized else a.dtype)
+                assert (type(value).__name__, getattr(value, "dtype", None)) == kind, (name, fmt, value)
+
+    def _as_stored(self, params=None):
+        """torch's twin, at low state widths: each of its states rounded as fastoptim stores that state
+        (bf16, or quantized and back) where fastoptim converts one: before and after each step that runs.
+        Quantizing dequantized codes gives the same codes, so the twin then holds exactly the values
+        fastoptim's storage holds; a state put in between steps reads as put on both sides, and is converted
+        when its param next steps. ``params``: the twin's params to round (default: all)."""
+        if self.state_bits == 32:
+            return
+        groups = {id(p): g for g in self.ours.param_groups for p in g["params"]}
+        for a, b in zip(self.ours_p, self.ref_p):
+            if params is not None and not any(b is q for q in params):
+                continue
+            for name, value in (self.ref.state.get(b) or {}).items():
+                if name == "step" or not isinstance(value, torch.Tensor):
+                    continue
+                fmt = self.ours._state_format(a, name, groups[id(a)])
+                if not fmt.plain:
+                    value.copy_(storage.torch_value(storage.adopt(value, a, fmt), a))
 
     # --- what must hold after every action ------------------------------------------------------------
 
@@ -211,8 +268,9 @@ class UserProgram(RuleBasedStateMachine):
                 if k == "step":
                     assert float(ours[k]) == float(v), (i, ours[k], v)  # right whenever it is read
                 else:
-                    assert_state_close(ours[k], v, msg=f"param {i} state {k}", atol=ATOL, rtol=RTOL)
-        ours_sd, ref_sd = self.ours.state_dict(), self.ref.state_dict()
+                    assert_state_close(storage.torch_value(ours[k], a), v, msg=f"param {i} state {k}",
+                                       atol=ATOL, rtol=RTOL)
+        ours_sd, ref_sd = self.ours.torch_state_dict(), self.ref.state_dict()
         assert set(ours_sd["state"]) == set(ref_sd["state"])
         for index, ref_entry in ref_sd["state"].items():
             entry = ours_sd["state"][index]
@@ -246,4 +304,11 @@ def test_user_programs_match_torch_on_the_triton_kernel(monkeypatch):
     pytest.importorskip("triton")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     machine = type("UserProgram_triton", (UserProgram,), {"level": "fused", "expected_path": "triton"})
+    _run(machine, max(EXAMPLES // 2, 5))
+
+
+@pytest.mark.parametrize("bits", [16, 8, 4])
+@pytest.mark.parametrize("level", LEVELS)
+def test_user_programs_with_low_bit_state_match_torch_stored_alike(level, bits):
+    machine = type(f"UserProgram_{level}_{bits}bit", (UserProgram,), {"level": level, "state_bits": bits})
     _run(machine, max(EXAMPLES // 2, 5))
