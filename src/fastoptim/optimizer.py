@@ -126,12 +126,6 @@ class FastOptimizer(torch.optim.Optimizer):
     # --- param groups ---------------------------------------------------------------------------
 
     def add_param_group(self, param_group: dict) -> None:
-        if "state_bits" in param_group:
-            storage.check_state_bits(param_group["state_bits"], "state_bits of a param group")
-            if self.flat and param_group["state_bits"] != 32:
-                raise ValueError("flat=True keeps 32-bit state; a param group's state_bits must be 32")
-        if "min_quant_size" in param_group:
-            storage.check_min_quant_size(param_group["min_quant_size"])
         candidate = {k: v for k, v in param_group.items() if k != "params"}
         for k, v in self.defaults.items():
             candidate.setdefault(k, v)
@@ -250,14 +244,13 @@ class FastOptimizer(torch.optim.Optimizer):
             level_bucket = Bucket(bucket.params, bucket.grads(grads), bucket.states, bucket.cache)
             run = run or levels.level(self.impl, level_bucket.device)
             if bucket.staged is None:  # plain formats are checked to be the param's dtype: never staged
-                bucket.staged = (group.get("state_bits", self.state_bits) != 32
+                bucket.staged = (self._storage_settings(group)[0] != 32
                                  and storage.needs_staging(bucket.params, bucket.states))
+            args = (group, bucket.step, rule.scalars(group, bucket.step), flags, amp.grad_mul)
             if bucket.staged:  # 16/8/4-bit state: through temporaries of the param's dtype (``storage``)
-                storage.run_staged(lambda b: run(rule, b, group, bucket.step, rule.scalars(group, bucket.step),
-                                                 flags, amp.grad_mul), level_bucket, **extra)
+                storage.run_staged(lambda b: run(rule, b, *args), level_bucket, **extra)
             else:
-                run(rule, level_bucket, group, bucket.step, rule.scalars(group, bucket.step), flags, amp.grad_mul,
-                    **extra)
+                run(rule, level_bucket, *args, **extra)
 
     def _grad_mul(self, work: list) -> Tensor | None:
         """What the update multiplies the grads by: GradScaler's 1/scale (as GradScaler.unscale_ computes it),
