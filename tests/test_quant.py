@@ -186,3 +186,22 @@ def test_quantizing_dequantized_codes_gives_the_same_codes(qmap, block):
         x = torch.tensor([[-3.0, 1.0, 0.5]])
         codes, absmax = quant.quantize(x, qmap, block)
         assert quant.dequantize(codes, absmax, qmap, block, x.shape)[0, 0] == -3.0
+
+
+@pytest.mark.parametrize("qmap,block", MAPS, ids=IDS)
+def test_the_cell_table_finds_the_nearest_code_of_every_fp32_in_a_sweep_of_bit_patterns(qmap, block):
+    """``Encoder`` against the arg-min over the map in float64, on every 1021st fp32 bit pattern of [-1, 1]
+    (about 2M values, every cell of the table many times), each boundary and its fp32 neighbours, zeros,
+    values past +-1 (clamped: the code of +-1) and below the table's lowest cell."""
+    enc = quant.encoder(qmap)
+    one = int(torch.tensor(1.0).view(torch.int32))
+    magnitudes = torch.arange(0, one + 1, 1021, dtype=torch.int64).to(torch.int32).view(torch.float32)
+    b = qmap.boundaries()
+    edges = torch.cat([b, torch.nextafter(b, torch.tensor(2.0)), torch.nextafter(b, torch.tensor(-2.0))])
+    y = torch.cat([magnitudes, -magnitudes, edges, torch.tensor([0.0, -0.0, 1.0, -1.0, 1e-30, -1e-30])])
+    table = torch.tensor(qmap.values, dtype=torch.float64)
+    want = torch.cat([(chunk.double()[:, None] - table[None, :]).abs().argmin(dim=1) for chunk in y.split(1 << 16)])
+    assert torch.equal(enc.encode(y).long(), want)
+    beyond = torch.tensor([1.5, 3e38, float("inf"), -1.5, -float("inf")])
+    assert enc.encode(beyond).tolist() == [2 ** qmap.bits - 1] * 3 + [0] * 2
+    assert enc.lut.numel() * 4 <= 32 << 10  # small enough for L1

@@ -247,7 +247,12 @@ class FastOptimizer(torch.optim.Optimizer):
                 bucket.staged = (self._storage_settings(group)[0] != 32
                                  and storage.needs_staging(bucket.params, bucket.states))
             args = (group, bucket.step, rule.scalars(group, bucket.step), flags, amp.grad_mul)
-            if bucket.staged:  # 16/8/4-bit state: through temporaries of the param's dtype (``storage``)
+            if bucket.staged:  # 16/8/4-bit state: loaded and stored in the kernel where the level can, else
+                stored = levels.stored_level(self.impl, level_bucket.device)  # through temporaries (``storage``)
+                if stored is not None:
+                    level_bucket = stored(rule, level_bucket, *args, **extra)
+                    if level_bucket is None:
+                        continue
                 storage.run_staged(lambda b: run(rule, b, *args), level_bucket, **extra)
             else:
                 run(rule, level_bucket, *args, **extra)

@@ -42,7 +42,7 @@ def is_dtensor(t) -> bool:
 
 # --- which path ran: tests of a fast path assert that it ran -------------------------------------------
 
-PATHS = ("loop", "foreach", "compiled", "triton", "torch_fused")
+PATHS = ("loop", "foreach", "compiled", "triton", "torch_fused", "cpu_kernel")
 _path_log: list[str] | None = None
 
 
@@ -169,5 +169,18 @@ def level(impl: str, device: torch.device) -> Callable:
     return _runs()[impl]
 
 
+def stored_level(impl: str, device: torch.device) -> Callable | None:
+    """The one place that says which path may see 16/8/4-bit state as it is stored: the run function that
+    loads and stores it inside its own kernel for ``impl`` on ``device`` (it returns the part of the bucket
+    it leaves), or None. Every other path, torch's own fused kernels among them, gets plain temporaries
+    (``storage.run_staged``), so a storage option no path declares can never be silently ignored."""
+    if impl == "foreach" and device.type == "cpu" and ROUTING and ROUTE_FOREACH_ON_CPU:
+        impl = "fused"
+    if impl in ("auto", "fused") and device.type == "cpu" and not uses_triton(device):
+        from . import fused
+        return fused.run_stored
+    return None
+
+
 __all__ = ["IMPLS", "LEVELS", "PATHS", "Bucket", "check_impl", "is_dtensor", "level", "own_paths", "pack_scalars",
-           "record_paths", "say_routed", "scaled_grads", "skips_in_kernel", "took", "triton_available", "uses_triton"]
+           "record_paths", "say_routed", "stored_level", "scaled_grads", "skips_in_kernel", "took", "triton_available", "uses_triton"]

@@ -8,6 +8,8 @@
 * CPU: torch's own fused kernel where the rule names one (Adam, AdamW, SGD, Adagrad); otherwise the
   rule compiled by Inductor into one in-place loop, when the bucket's tensors are large enough to
   amortise a call each (flat buffers always are); otherwise the cache-blocked foreach level.
+* CPU, 16/8/4-bit state (``run_stored``): the rule's C++ twin loads, updates and stores the state in one
+  pass (``cpu_kernels``); what it does not take runs staged, as on every other level.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import warnings
 
 import torch
 
-from . import Bucket, caller_stacklevel, compiled, foreach, took, uses_triton
+from . import Bucket, caller_stacklevel, compiled, foreach, pack_scalars, took, uses_triton
 
 # torch 2.13's fused CPU SGD is wrong for fp16/bf16 (0.26 off its own single-tensor SGD after 3 steps),
 # so low-precision buckets take our own paths
@@ -94,3 +96,36 @@ def _safe_path(rule, bucket: Bucket, group, step, scalars, flags, grad_mul, foun
 def _subset(bucket: Bucket, indices: list[int]) -> Bucket:
     return Bucket([bucket.params[i] for i in indices], [bucket.grads[i] for i in indices],
                   [None if s is None else [s[i] for i in indices] for s in bucket.states])
+
+
+_kernel_warned: set = set()
+
+
+def run_stored(rule, bucket: Bucket, group: dict, step: int, scalars: tuple, flags: tuple, grad_mul=None,
+               found_inf=None) -> Bucket | None:
+    """Step the params of ``bucket`` whose 16/8/4-bit state the CPU kernel loads and stores in place; return
+    the rest (plain state, other dtypes, strided tensors), for the staged path, or None when nothing is left."""
+    from . import cpu_kernels
+
+    if found_inf is not None and found_inf.item() != 0:
+        return None
+    why = cpu_kernels.available()
+    if why is not None:
+        if why not in _kernel_warned:
+            _kernel_warned.add(why)
+            warnings.warn(f"fastoptim: 16/8/4-bit state runs staged on the CPU (slower, same numbers): {why}",
+                          RuntimeWarning, stacklevel=caller_stacklevel())
+        return bucket
+    by_formats: dict[tuple, list[int]] = {}
+    rest = []
+    for i in range(len(bucket.params)):
+        formats = cpu_kernels.signature(bucket.params, bucket.grads, bucket.states, i)
+        (rest if formats is None else by_formats.setdefault(formats, [])).append(i)
+    if by_formats:
+        took("cpu_kernel")
+        packed = pack_scalars(scalars, bucket.device)
+        mul = None if grad_mul is None else grad_mul.to(bucket.device, torch.float32).reshape(())
+        for formats, indices in by_formats.items():
+            part = _subset(bucket, indices)
+            cpu_kernels.run(rule.update, part.params, part.grads, part.states, formats, packed, flags, mul)
+    return _subset(bucket, rest) if rest else None

@@ -10,6 +10,11 @@ Per block: ``absmax = max |x|`` (fp32), and each element is stored as the index 
 to ``x / absmax`` (ties to the lower index, as an arg-min over the sorted map does). Dequantized:
 ``map[code] * absmax``.
 
+Finding the nearest code (``Encoder``): the sign and the top bits of an fp32 value index a table of the
+lowest code its cell of values can take, and one comparison with the boundary inside the cell finds the
+code. The table is made fine enough that no cell holds two boundaries (checked where it is built), so the
+result is exactly the nearest-code search; every level (the CPU kernels too) encodes with these tables.
+
 Layout of one quantized tensor:
   * ``codes``  uint8. 8 bits: the tensor's shape. 4 bits: (rows, ceil(row_length / 2)), two codes per
     byte along the row, the first one in the low nibble.
@@ -106,6 +111,80 @@ def _boundaries(qmap: QuantMap, device: torch.device) -> Tensor:
     return rounded.to(device)
 
 
+@dataclass(frozen=True)
+class Encoder:
+    """The nearest-code lookup of one map, in integer operations on the bits of an fp32 ``y``.
+
+    ``|y|``'s bits are clamped to ``[lowest, highest]`` (``highest`` is 1.0: every map ends at +-1, so any
+    larger ``|y|`` has the code of +-1; no boundary lies below ``lowest``, so any smaller one has the code of
+    ``lowest``), then cut into *cells* of ``2 ** shift`` bit patterns, positive cells first, ``half`` of them a
+    sign. ``entry = lut[cell]`` holds the lowest code of any value in the cell (bits 24..31) and the low
+    ``shift`` bits of the one boundary inside it (``split``; no boundary: all ones). Within a cell the low bits
+    order the values (reversed for negative ones, hence the XOR), so
+    ``code = (entry >> 24) + ((m & mask) ^ (mask if y < 0 else 0) > (entry & mask))``: one table read. The
+    table is a few thousand entries, small enough to stay in L1."""
+    shift: int
+    lowest: int   # magnitude bits, a multiple of 2 ** shift
+    highest: int  # magnitude bits of 1.0
+    lut: Tensor   # int32, 2 * half cells
+
+    @property
+    def mask(self) -> int:
+        return (1 << self.shift) - 1
+
+    @property
+    def half(self) -> int:
+        return self.lut.numel() // 2
+
+    def encode(self, y: Tensor) -> Tensor:
+        """int32 codes of fp32 ``y``."""
+        bits = y.view(torch.int32)
+        negative = bits < 0
+        m = (bits & 0x7FFFFFFF).clamp(self.lowest, self.highest)
+        cell = ((m - self.lowest) >> self.shift) + negative.to(torch.int32) * self.half
+        entry = self.lut[cell]
+        low = (m & self.mask) ^ (negative.to(torch.int32) * self.mask)
+        return ((entry >> 24) & 0xFF) + (low > (entry & self.mask)).to(torch.int32)
+
+
+def _bits(x: Tensor) -> Tensor:
+    return x.float().view(torch.int32).long()
+
+
+def _float(bits: Tensor) -> Tensor:
+    return bits.to(torch.int32).view(torch.float32)
+
+
+@lru_cache(maxsize=None)
+def encoder(qmap: QuantMap, device: torch.device = torch.device("cpu")) -> Encoder:
+    """The coarsest table with at most one boundary per cell."""
+    if device.type != "cpu":
+        host = encoder(qmap)
+        return Encoder(host.shift, host.lowest, host.highest, host.lut.to(device))
+    bounds = qmap.boundaries()
+    magnitudes = _bits(bounds.abs())
+    assert bool((magnitudes > 0).all()), qmap.name  # a boundary at 0 would need a cell of its own per sign
+    highest = int(_bits(torch.tensor(1.0)))
+    for mantissa_bits in range(2, 12):
+        shift = 23 - mantissa_bits
+        lowest = max((int(magnitudes.min()) >> shift << shift) - (1 << shift), 0)  # below every boundary
+        half = ((highest - lowest) >> shift) + 1
+        first = lowest + (torch.arange(half, dtype=torch.int64) << shift)
+        low, high = _float(first), _float(torch.clamp(first + (1 << shift) - 1, max=highest))
+        positive = torch.bucketize(low, bounds), torch.bucketize(high, bounds)
+        negative = torch.bucketize(-high, bounds), torch.bucketize(-low, bounds)
+        if not all(bool((hi - lo).le(1).all()) for lo, hi in (positive, negative)):
+            continue
+        mask = (1 << shift) - 1
+        codes = torch.cat([positive[0], negative[0]])
+        split = torch.full_like(codes, mask)
+        cells = ((magnitudes - lowest) >> shift) + (bounds < 0).long() * half
+        split[cells] = (magnitudes & mask) ^ torch.where(bounds < 0, mask, 0)
+        lut = (codes << 24) | split
+        return Encoder(shift, lowest, highest, torch.where(lut >= 1 << 31, lut - (1 << 32), lut).to(torch.int32))
+    raise AssertionError(f"{qmap.name}: no table of up to 2**20 cells a sign separates its boundaries")
+
+
 def _fp32_values(values: list[float]) -> tuple[float, ...]:
     return tuple(torch.tensor(values, dtype=torch.float32).double().tolist())
 
@@ -167,10 +246,10 @@ def quantize(x: Tensor, qmap: QuantMap, block: int) -> tuple[Tensor, Tensor]:
     absmax = blocks.abs().amax(dim=2) if blocks.numel() else blocks.new_zeros(blocks.shape[:2])
     divisor = torch.where(absmax == 0, torch.ones_like(absmax), absmax)
     normalized = blocks / divisor.unsqueeze(2)
-    codes = torch.bucketize(normalized, qmap.boundaries(x.device)).to(torch.uint8)
+    codes = encoder(qmap, x.device).encode(normalized).to(torch.uint8)
     codes = codes.reshape(rows, blocks.shape[1] * block)[:, :length]
     if qmap.bits == 8:
-        return codes.reshape(x.shape), absmax
+        return codes.reshape(x.shape).contiguous(), absmax  # not a view of the padded blocks: its own bytes
     return pack4(codes), absmax
 
 

@@ -1,0 +1,98 @@
+"""The rule's ``update`` as C++: traced once with symbolic values, each operator one fp32 statement.
+
+``update`` uses arithmetic operators and ``prims`` only (the rule contract), and its FLAGS are Python
+booleans, so running it on ``Sym`` values records exactly the operations the loop level performs, in the
+same order. Each becomes one C++ statement on ``float``: with FMA contraction off, IEEE division and
+``sqrtf``, every operation rounds as torch's elementwise fp32 kernels round it, so the C++ twin gives the
+loop level's numbers bit for bit. Scalars (a Python number in the source, or one of the step's scalars)
+are fp32, as torch rounds a Python scalar to a float tensor's dtype.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Callable
+
+
+def _literal(value: float) -> str:
+    """An exact C++ spelling of ``value`` rounded to fp32 (as torch rounds a Python scalar)."""
+    as_fp32 = struct.unpack("f", struct.pack("f", float(value)))[0]
+    return f"{float(as_fp32).hex()}f" if as_fp32 == as_fp32 and abs(as_fp32) != float("inf") else (
+        "NAN" if as_fp32 != as_fp32 else ("INFINITY" if as_fp32 > 0 else "-INFINITY"))
+
+
+class Sym:
+    """One fp32 value of the traced update: the name of a C++ variable holding it."""
+
+    def __init__(self, tracer: "Tracer", name: str):
+        self.tracer, self.name = tracer, name
+
+    def _op(self, template: str, *args) -> "Sym":
+        return self.tracer.emit(template.format(*(self.tracer.operand(a) for a in args)))
+
+    def __add__(self, other):
+        return self._op("{} + {}", self, other)
+
+    def __radd__(self, other):
+        return self._op("{} + {}", other, self)
+
+    def __sub__(self, other):
+        return self._op("{} - {}", self, other)
+
+    def __rsub__(self, other):
+        return self._op("{} - {}", other, self)
+
+    def __mul__(self, other):
+        return self._op("{} * {}", self, other)
+
+    def __rmul__(self, other):
+        return self._op("{} * {}", other, self)
+
+    def __truediv__(self, other):
+        return self._op("{} / {}", self, other)
+
+    def __rtruediv__(self, other):
+        return self._op("{} / {}", other, self)
+
+    def __neg__(self):
+        return self._op("-{}", self)
+
+    # the prims (``rules.prims`` dispatches through these methods)
+    def sqrt(self):
+        return self._op("sqrtf({})", self)
+
+    def sign(self):  # torch.sign: 0 for NaN and for either zero
+        return self._op("(float)(({0} > 0.0f) - ({0} < 0.0f))", self)
+
+    def maximum(self, other):  # torch.maximum: NaN wins
+        return self._op("fo_maximum({}, {})", self, other)
+
+    def __bool__(self):
+        raise TypeError("a rule's update branches on FLAGS only, never on a tensor's values")
+
+
+class Tracer:
+    def __init__(self):
+        self.lines: list[str] = []
+
+    def operand(self, value) -> str:
+        if isinstance(value, Sym):
+            return value.name
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"a rule's update may combine tensors with numbers only, got {type(value).__name__}")
+        return _literal(value)
+
+    def emit(self, expression: str) -> Sym:
+        name = f"t{len(self.lines)}"
+        self.lines.append(f"const float {name} = {expression};")
+        return Sym(self, name)
+
+
+def trace(update: Callable, inputs: list[str], scalars: list[str], flags: tuple) -> tuple[list[str], list]:
+    """``update`` on C++ variables ``inputs`` (p, g, each state; ``""`` for an inactive state) and scalar
+    expressions ``scalars``: (statements, one output per result: a variable name, or None)."""
+    tracer = Tracer()
+    args = [Sym(tracer, name) if name else None for name in inputs]
+    scalar_args = [Sym(tracer, expr) for expr in scalars]
+    outputs = update(*args, *scalar_args, *flags)
+    return tracer.lines, [None if out is None else tracer.operand(out) for out in outputs]
