@@ -10,6 +10,7 @@ are fp32, as torch rounds a Python scalar to a float tensor's dtype.
 
 from __future__ import annotations
 
+import math
 import struct
 from typing import Callable
 
@@ -17,8 +18,11 @@ from typing import Callable
 def _literal(value: float) -> str:
     """An exact C++ spelling of ``value`` rounded to fp32 (as torch rounds a Python scalar)."""
     as_fp32 = struct.unpack("f", struct.pack("f", float(value)))[0]
-    return f"{float(as_fp32).hex()}f" if as_fp32 == as_fp32 and abs(as_fp32) != float("inf") else (
-        "NAN" if as_fp32 != as_fp32 else ("INFINITY" if as_fp32 > 0 else "-INFINITY"))
+    if math.isnan(as_fp32):
+        return "NAN"
+    if math.isinf(as_fp32):
+        return "INFINITY" if as_fp32 > 0 else "-INFINITY"
+    return f"{as_fp32.hex()}f"
 
 
 class Sym:

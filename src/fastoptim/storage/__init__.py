@@ -12,7 +12,8 @@ Every level runs on plain tensors. A bucket with state in another format runs *s
 each state is loaded into a temporary of the param's dtype (upcast, or dequantized), the level steps the
 temporaries exactly as it steps plain state, and each is stored back (rounded to nearest, or quantized).
 So every level, and torch's own fused kernels, give the numbers of the same math on the stored values.
-A level that can load and store inside its own kernel will declare it and skip the temporaries.
+A level that loads and stores inside its own kernel says so in one place (``levels.stored_level``: today the
+fused level on the CPU, ``levels.cpu_kernels``) and skips the temporaries for the params it takes.
 """
 
 from __future__ import annotations
