@@ -17,10 +17,27 @@ def model():
     return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.LayerNorm(32), torch.nn.Linear(32, 4))
 
 
+def wide_model():
+    """Weights with rows that split evenly (130) and unevenly (7) over 2 ranks, and rows longer than one
+    8-bit block (300): every one quantized at min_quant_size=0."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(64, 130), torch.nn.LayerNorm(130), torch.nn.Linear(130, 7),
+                               torch.nn.Linear(7, 300))
+
+
+def shard(net):
+    for layer in net:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer)
+    fully_shard(net)
+    return net
+
+
 def train(net, opt, steps=4):
     g = torch.Generator().manual_seed(1)
+    inputs = net[0].in_features
     for _ in range(steps):
-        x = torch.randn(8, 16, generator=g)  # the same batch on every rank
+        x = torch.randn(8, inputs, generator=g)  # the same batch on every rank
         net(x).pow(2).mean().backward()
         opt.step()
         opt.zero_grad()
@@ -46,6 +63,19 @@ def main(out_path):
     plain = model()
     plain_params = train(plain, fastoptim.AdamW(plain.parameters(), lr=1e-2))
     result["zero1"] = max((a - b).abs().max().item() for a, b in zip(params, plain_params))
+    for bits in (16, 8, 4):  # low-bit state: blocks run along rows, so each rank's rows quantize as one process's
+        low = dict(lr=1e-2, state_bits=bits, min_quant_size=0)
+        for impl in ("loop", "foreach", "fused", "compiled"):
+            single = wide_model()
+            reference = train(single, fastoptim.AdamW(single.parameters(), impl=impl, **low))
+            net = shard(wide_model())
+            params = train(net, fastoptim.AdamW(net.parameters(), impl=impl, **low))
+            result[f"fsdp2 {impl} {bits}-bit"] = max((a - b).abs().max().item() for a, b in zip(params, reference))
+        net = wide_model()
+        params = train(net, ZeroRedundancyOptimizer(net.parameters(), optimizer_class=fastoptim.AdamW, **low))
+        plain = wide_model()
+        plain_params = train(plain, fastoptim.AdamW(plain.parameters(), **low))
+        result[f"zero1 {bits}-bit"] = max((a - b).abs().max().item() for a, b in zip(params, plain_params))
     if dist.get_rank() == 0:
         with open(out_path, "w") as f:
             json.dump(result, f)

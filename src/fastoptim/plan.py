@@ -284,6 +284,8 @@ def take_back(state_map: StateMap, taken: list, exports_step: bool) -> None:
 
 
 def _local_real(t: Tensor) -> Tensor:
+    if isinstance(t, storage.QuantizedState):
+        return t.local()
     if is_dtensor(t):
         t = t.to_local()
     if t.is_complex():

@@ -106,13 +106,57 @@ class QuantizedState:
 
     @staticmethod
     def of(values: Tensor, fmt: Format) -> "QuantizedState":
+        """``values`` quantized; a sharded ``values`` (a DTensor sharded on dim 0, as FSDP2 shards) gives codes
+        and absmax sharded the same way, each rank quantizing its own rows."""
+        if _is_dtensor(values):
+            return QuantizedState.of(values.to_local(), fmt).sharded_like(values)
         codes, absmax = quant.quantize(values, fmt.qmap, fmt.block)
         return QuantizedState(codes, absmax, fmt, values.shape)
 
+    @property
+    def is_sharded(self) -> bool:
+        return _is_dtensor(self.codes)
+
+    def local(self) -> "QuantizedState":
+        """This rank's rows (the state itself when it is not sharded): views of the same memory."""
+        if not self.is_sharded:
+            return self
+        codes = self.codes.to_local()
+        rows = codes.shape[0] if len(self.shape) >= 2 else None
+        shape = torch.Size([rows, *self.shape[1:]]) if rows is not None else self.shape
+        return QuantizedState(codes, self.absmax.to_local(), self.fmt, shape)
+
+    def sharded_like(self, param) -> "QuantizedState":
+        """This rank's local state (of ``param``'s local rows) as one state sharded like the DTensor ``param``:
+        codes and absmax are DTensors with its mesh and placements and their global shapes."""
+        from torch.distributed.tensor import DTensor
+
+        if any(pl.is_shard() and pl.dim != 0 for pl in param.placements):
+            raise ValueError(f"8/4-bit state needs params sharded on dim 0 (FSDP2's Shard(0)); this param has "
+                             f"placements {tuple(param.placements)}: give its group state_bits=16 or 32")
+
+        def wrap(local: Tensor, shape: tuple) -> Tensor:
+            stride = torch.empty(shape, device="meta").stride()
+            return DTensor.from_local(local, param.device_mesh, param.placements, run_check=False,
+                                      shape=torch.Size(shape), stride=stride)
+
+        shape = param.shape
+        return QuantizedState(wrap(self.codes, quant.codes_shape(shape, self.fmt.bits)),
+                              wrap(self.absmax, quant.absmax_shape(shape, self.fmt.block)), self.fmt, shape)
+
     def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:
+        """The values; a sharded state gives a DTensor sharded like its param."""
+        if self.is_sharded:
+            from torch.distributed.tensor import DTensor
+
+            values = self.local().dequantize(dtype)
+            return DTensor.from_local(values, self.codes.device_mesh, self.codes.placements, run_check=False,
+                                      shape=self.shape, stride=torch.empty(self.shape, device="meta").stride())
         return quant.dequantize(self.codes, self.absmax, self.fmt.qmap, self.fmt.block, self.shape).to(dtype)
 
     def store(self, values: Tensor) -> None:
+        if self.is_sharded:
+            return self.local().store(values.to_local() if _is_dtensor(values) else values)
         codes, absmax = quant.quantize(values, self.fmt.qmap, self.fmt.block)
         self.codes.copy_(codes)
         self.absmax.copy_(absmax)
@@ -123,20 +167,32 @@ class QuantizedState:
 
     @property
     def nbytes(self) -> int:
-        return self.codes.nbytes + self.absmax.nbytes
+        """Bytes held here (this rank's when sharded)."""
+        local = self.local()
+        return local.codes.nbytes + local.absmax.nbytes
 
     def __repr__(self) -> str:
         return f"QuantizedState({self.fmt.tag}, shape={tuple(self.shape)}, device={self.device})"
 
 
+def _is_dtensor(t) -> bool:
+    from ..levels import is_dtensor
+
+    return is_dtensor(t)
+
+
 def make(p: Tensor, fmt: Format, value: float) -> Tensor | QuantizedState:
-    """A new state for ``p`` in ``fmt``, every element ``value``."""
+    """A new state for ``p`` in ``fmt``, every element ``value`` (sharded like ``p`` when it is a DTensor)."""
     if fmt.plain:
         if p.is_complex():  # the update runs on the real view: both halves start at the value
             value = complex(value, value)
         return torch.full_like(p, value, memory_format=torch.preserve_format)
     if fmt.bits == 16:
         return torch.full_like(p, value, dtype=torch.bfloat16, memory_format=torch.contiguous_format)
+    if _is_dtensor(p):
+        local = p.to_local()
+        return QuantizedState.of(torch.full(local.shape, value, dtype=torch.float32, device=local.device),
+                                 fmt).sharded_like(p)
     return QuantizedState.of(torch.full(p.shape, value, dtype=torch.float32, device=p.device), fmt)
 
 
