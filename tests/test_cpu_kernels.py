@@ -7,6 +7,9 @@ codec (``storage``). The kernel must give exactly those bytes: params, bf16 stat
 this oracle, not equal to it; the staged-path tests in ``test_low_bit`` hold the levels to each other.)
 """
 
+import os
+import subprocess
+import sys
 import warnings
 
 import numpy as np
@@ -33,7 +36,7 @@ class Twin(np.ndarray):
         return np.sqrt(self)
 
     def sign(self):
-        return np.sign(self) * (self == self)  # torch.sign: 0 for NaN
+        return np.where(np.isnan(self), np.float32(0), np.sign(self))  # torch.sign: 0 for NaN
 
     def maximum(self, other):
         return np.maximum(self, other)
@@ -166,8 +169,7 @@ def test_without_a_compiler_the_fused_level_warns_once_and_runs_staged(monkeypat
     monkeypatch.setenv("PATH", str(tmp_path))  # no c++, g++ or clang++ to be found
     monkeypatch.delenv("CXX", raising=False)
     monkeypatch.setenv("FASTOPTIM_CACHE", str(tmp_path / "cache"))  # nothing built before
-    for cached in (cpu_kernels.available, cpu_kernels.kernel, cpu_kernels._library):
-        cached.cache_clear()
+    _fresh_kernels()
     monkeypatch.setattr(levels.fused, "_kernel_warned", set())
     try:
         assert "no C++ compiler" in cpu_kernels.available()
@@ -189,22 +191,88 @@ def test_without_a_compiler_the_fused_level_warns_once_and_runs_staged(monkeypat
         assert len(said) == 1 and "no C++ compiler" in str(said[0].message)
         torch.testing.assert_close(params[0].detach(), twin[0].detach(), rtol=1e-5, atol=1e-6)
     finally:
-        for cached in (cpu_kernels.available, cpu_kernels.kernel, cpu_kernels._library):
-            cached.cache_clear()
+        _fresh_kernels()
+
+
+def _fresh_kernels():
+    for cached in (cpu_kernels.available, cpu_kernels.kernel, cpu_kernels._library, cpu_kernels._target):
+        cached.cache_clear()
 
 
 def test_a_compiler_that_fails_is_reported_with_its_message(monkeypatch, tmp_path):
     monkeypatch.setenv("CXX", "false")
     monkeypatch.setenv("FASTOPTIM_CACHE", str(tmp_path))
-    for cached in (cpu_kernels.available, cpu_kernels.kernel, cpu_kernels._library):
-        cached.cache_clear()
+    _fresh_kernels()
     try:
         why = cpu_kernels.available()
-        assert why is not None and "failed to build" in why
+        assert why is not None and "false" in why
         assert list(tmp_path.glob("*.so")) == []  # nothing half-built is left to be loaded later
     finally:
-        for cached in (cpu_kernels.available, cpu_kernels.kernel, cpu_kernels._library):
-            cached.cache_clear()
+        _fresh_kernels()
+
+
+def test_an_unwritable_cache_folder_runs_staged_with_a_warning(monkeypatch, tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("FASTOPTIM_CACHE", str(blocker / "cache"))  # under a file: cannot be made
+    monkeypatch.setattr(levels.fused, "_kernel_warned", set())
+    _fresh_kernels()
+    try:
+        p = torch.nn.Parameter(torch.randn(16, 256))
+        p.grad = torch.randn_like(p)
+        opt = fastoptim.AdamW([p], impl="fused", state_bits=8, min_quant_size=0)
+        with pytest.warns(RuntimeWarning, match="not usable"), record_paths() as paths:
+            opt.step()
+        assert "cpu_kernel" not in paths
+    finally:
+        _fresh_kernels()
+
+
+def test_a_damaged_cached_kernel_is_built_again(tmp_path):
+    """In fresh processes (a loaded library must not be cut short under the process that runs it)."""
+    env = dict(os.environ, FASTOPTIM_CACHE=str(tmp_path))
+    probe = [sys.executable, "-c", "from fastoptim.levels import cpu_kernels; print(cpu_kernels.available())"]
+    assert subprocess.run(probe, env=env, capture_output=True, text=True).stdout.strip() == "None"
+    built = list(tmp_path.glob("kernel_*.so"))
+    assert len(built) == 1
+    built[0].write_bytes(b"")  # cut short (a full disk, a killed copy)
+    done = subprocess.run(probe, env=env, capture_output=True, text=True)
+    assert done.stdout.strip() == "None", done.stderr[-2000:]
+    assert built[0].stat().st_size > 0
+
+
+def test_a_kernel_that_fails_to_build_sends_only_its_params_staged(monkeypatch):
+    def fail(*args, **kwargs):
+        raise cpu_kernels.KernelUnavailable("this kernel failed to build")
+
+    monkeypatch.setattr(levels.fused, "_kernel_warned", set())
+    monkeypatch.setattr(cpu_kernels, "run", fail)
+    p = torch.nn.Parameter(torch.randn(16, 256))
+    twin = torch.nn.Parameter(p.detach().clone())
+    opt = fastoptim.AdamW([p], impl="fused", state_bits=8, min_quant_size=0)
+    ref = fastoptim.AdamW([twin], impl="loop", state_bits=8, min_quant_size=0)
+    for _ in range(2):
+        p.grad = torch.randn_like(p)
+        twin.grad = p.grad.clone()
+        with pytest.warns(RuntimeWarning, match="failed to build") if _ == 0 else warnings.catch_warnings():
+            with record_paths() as paths:
+                opt.step()
+        ref.step()
+        assert "cpu_kernel" not in paths
+    torch.testing.assert_close(p.detach(), twin.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_the_kernel_counts_its_in_place_write_for_autograd():
+    w = torch.nn.Parameter(torch.randn(16, 256))
+    opt = fastoptim.AdamW([w], impl="fused", state_bits=8, min_quant_size=0)
+    x = torch.randn(4, 16, requires_grad=True)
+    y = (x @ w).sin().sum()  # matmul saved w for x's grad: the step changes it under the graph
+    w.grad = torch.randn_like(w)
+    with record_paths() as paths:
+        opt.step()
+    assert paths == ["cpu_kernel"]
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.backward()
 
 
 def test_a_schedule_changing_lr_every_step_reuses_one_built_kernel():

@@ -140,3 +140,29 @@ def test_readme_fsdp_command_runs_to_the_end_and_resumes_on_one_process(tmp_path
     assert resumed["steps"] == 4 and len(resumed["log"]) == 4
     assert without_timings(resumed["log"][:2]) == without_timings(summary["log"])
     assert all(e["loss"] == e["loss"] for e in resumed["log"])
+
+
+def test_fsdp2_low_bit_state_saves_through_dcp_and_resumes_resharded_on_one_process(tmp_path):
+    """8-bit state under FSDP2: codes and absmax go through torch.distributed.checkpoint as DTensors sharded on
+    dim 0. Two ranks resume from their shards bit-identically; one process resumes from the two ranks' shards
+    (DCP reshards) and goes on from the same point."""
+    common = ["-m", "fastoptim", "train", "--fsdp", "--state-bits", "8", "--n-layer", "1", "--n-embd", "64",
+              "--n-head", "2", "--n-kv-head", "1", "--block-size", "32", "--batch-size", "4", "--steps", "6",
+              "--warmup", "2", "--eval-every", "3", "--eval-batches", "1", "--save-every", "3", "--sample-tokens",
+              "0", "--no-progress"]
+    logs = {}
+    for name, first, then in (("straight", [], None), ("two", ["--stop-after", "3"], 2),
+                              ("one", ["--stop-after", "3"], 1)):
+        out = ["--out-dir", str(tmp_path / name)]
+        proc = torchrun(*common, *out, *first, "--json", str(tmp_path / f"{name}.json"))
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        if then is not None:
+            proc = torchrun(*common, *out, "--resume", "--json", str(tmp_path / f"{name}.json"), nproc=then)
+            assert proc.returncode == 0, proc.stderr[-3000:]
+        logs[name] = without_timings(json.loads((tmp_path / f"{name}.json").read_text())["log"])
+    assert logs["two"] == logs["straight"]
+    assert logs["one"][:3] == logs["straight"][:3]
+    # after the reshard one process sums the grads in another order than two ranks' reduce-scatter: the
+    # losses drift apart by about 0.25 % in 3 steps, at 32-bit state as at 8-bit (measured)
+    for a, b in zip(logs["one"][3:], logs["straight"][3:]):
+        assert abs(a["loss"] - b["loss"]) < 0.01 * b["loss"], (a, b)

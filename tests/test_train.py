@@ -42,6 +42,19 @@ def test_resume_is_bit_identical(tmp_path, impl, flat):
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.parametrize("bits", [16, 8, 4])
+def test_low_bit_state_trains_and_resumes_bit_identically(tmp_path, bits):
+    """n_embd 64: the 64x64 and wider matrices hold 4096+ elements, so 8/4 bits quantize them."""
+    run = dict(steps=8, state_bits=bits, n_embd=64, sample_tokens=0, save_every=4, eval_every=4)
+    straight = main(tiny(tmp_path / "a", **run))
+    main(tiny(tmp_path / "b", stop_after=4, **run))
+    resumed = main(tiny(tmp_path / "b", resume=True, **run))
+    assert [e["loss"] for e in resumed["log"]] == [e["loss"] for e in straight["log"]]
+    optim = torch.load(tmp_path / "a" / "out" / "ckpt.pt", weights_only=False)["optimizer"]
+    names = {name for entry in optim["state"].values() for name in entry}
+    assert ("exp_avg.codes" in names) == (bits in (8, 4)), names
+
+
 def test_checkpoint_is_replaced_atomically(tmp_path):
     main(tiny(tmp_path, steps=10, sample_tokens=0))
     leftovers = [f for f in os.listdir(tmp_path / "out") if ".tmp." in f]
@@ -71,7 +84,7 @@ def test_low_precision_autocast_trains(tmp_path, dtype):
     (["--resume", "--out-dir", "/no/such/dir"], "no checkpoint"),
     (["--fp8"], "compute capability"),
     (["--steps", "0"], "steps must be >= 1"),
-    (["--state-bits", "8"], "only 32-bit"),
+    (["--state-bits", "8", "--flat"], "--flat keeps 32-bit state"),
 ])
 def test_bad_settings_get_a_clear_message(argv, message, capsys):
     assert cli(["train", *argv]) == 2

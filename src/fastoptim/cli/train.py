@@ -15,7 +15,8 @@ from ..registry import OPTIMIZERS
 from ..train.loop import DTYPES, SCHEDULES, TrainConfig, check_config
 
 CHOICES = {"optimizer": tuple(OPTIMIZERS), "dtype": tuple(DTYPES), "schedule": SCHEDULES, "impl": IMPLS,
-           "compile_mode": ("default", "reduce-overhead", "max-autotune"), "device": ("auto", "cpu", "cuda")}
+           "compile_mode": ("default", "reduce-overhead", "max-autotune"), "device": ("auto", "cpu", "cuda"),
+           "state_bits": (32, 16, 8, 4)}
 
 
 def _optional_float(text: str) -> float | None:
@@ -51,17 +52,12 @@ def add_parser(sub) -> None:
         else:
             base = next((t for t in typing.get_args(kind) if t is not type(None)), kind)
             p.add_argument(flag, type=base, default=f.default, choices=CHOICES.get(f.name), help=help_text)
-    p.add_argument("--state-bits", type=int, default=32, help="optimizer state precision (32 in this build)")
     p.add_argument("--json", metavar="PATH", help="write the summary and the loss log as JSON")
     p.add_argument("--plot", metavar="PATH", help="write a PNG of the train and validation loss")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.state_bits != 32:
-        print(f"fastoptim train: --state-bits {args.state_bits}: only 32-bit optimizer state exists in this "
-              "build", file=sys.stderr)
-        return 2
     cfg = TrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)})
     try:
         check_config(cfg)

@@ -3,9 +3,10 @@
 ``update`` uses arithmetic operators and ``prims`` only (the rule contract), and its FLAGS are Python
 booleans, so running it on ``Sym`` values records exactly the operations the loop level performs, in the
 same order. Each becomes one C++ statement on ``float``: with FMA contraction off, IEEE division and
-``sqrtf``, every operation rounds as torch's elementwise fp32 kernels round it, so the C++ twin gives the
-loop level's numbers bit for bit. Scalars (a Python number in the source, or one of the step's scalars)
-are fp32, as torch rounds a Python scalar to a float tensor's dtype.
+``sqrtf``, every operation is rounded once, correctly, so the C++ twin gives the rule's IEEE fp32 math
+exactly (torch's CPU ``sqrt`` is off by an ulp in some lanes; its other operators agree). Scalars (a Python
+number in the source, or one of the step's scalars) are fp32, as torch rounds a Python scalar to a float
+tensor's dtype.
 """
 
 from __future__ import annotations

@@ -5,8 +5,9 @@ torch's fused CPU kernels take plain fp32 state only, and Inductor's code for a 
 torch's fused fp32 step. So the fused level carries a small C++ kernel of its own, generated per rule,
 FLAGS and state formats:
 
-* the rule's math is the rule's own ``update``, traced into C++ (``cpp_twin``): bit for bit the loop
-  level's numbers on the same stored values;
+* the rule's math is the rule's own ``update``, traced into C++ (``cpp_twin``): byte for byte the rule's
+  IEEE fp32 math on the stored values (torch's own CPU ``sqrt`` is not correctly rounded in every lane, so
+  the loop level is within an ulp of it, not always equal);
 * per block of one row (the codec's blocks: 256 elements at 8 bits, 128 at 4; 256-element pieces at
   16 bits), p, g and every state are loaded into fp32 arrays that stay in L1 (codes decoded through the
   map, times the block's absmax; bf16 widened), the update runs over them, and each state is stored back:
@@ -299,27 +300,67 @@ def cache_dir() -> str:
     return os.environ.get("FASTOPTIM_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "fastoptim")
 
 
+BUILD_TIMEOUT_S = 300
+
+
+@lru_cache(maxsize=None)
+def _target(cxx: str) -> str:
+    """What ``-march=native`` means on this machine, as the compiler sees it (its predefined macros): part of a
+    built kernel's name, so a cache folder shared by machines of other CPUs never loads a kernel built for
+    instructions this one lacks."""
+    try:
+        done = subprocess.run([cxx, "-march=native", "-dM", "-E", "-x", "c++", os.devnull], capture_output=True,
+                              text=True, timeout=BUILD_TIMEOUT_S)
+    except (OSError, subprocess.SubprocessError) as e:
+        raise KernelUnavailable(f"{os.path.basename(cxx)} could not be run: {e}") from None
+    if done.returncode != 0:
+        raise KernelUnavailable(f"{os.path.basename(cxx)} does not take -march=native: {done.stderr.strip()[-500:]}")
+    return "\n".join(sorted(done.stdout.splitlines()))
+
+
+def _build(cxx: str, source: str, path: str) -> None:
+    folder = os.path.dirname(path)
+    os.makedirs(folder, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=folder) as work:
+        src = os.path.join(work, "kernel.cpp")
+        with open(src, "w") as f:
+            f.write(source)
+        built = os.path.join(work, "kernel.so")
+        try:
+            done = subprocess.run([cxx, *CXXFLAGS, src, "-o", built], capture_output=True, text=True,
+                                  timeout=BUILD_TIMEOUT_S)
+        except subprocess.SubprocessError as e:
+            raise KernelUnavailable(f"{os.path.basename(cxx)} failed to build the kernel: {e}") from None
+        if done.returncode != 0:
+            raise KernelUnavailable(f"{os.path.basename(cxx)} failed to build the kernel: "
+                                    f"{done.stderr.strip()[-2000:]}")
+        os.replace(built, path)  # atomic: a concurrent build of the same source writes the same bytes
+
+
 @lru_cache(maxsize=None)
 def _library(source: str) -> ctypes.CDLL:
+    """The built kernel, from the cache folder or built into it. Any failure (no compiler, a failed build, a
+    cache folder that cannot be written, a cached file that does not load) raises ``KernelUnavailable``; a
+    cached file that does not load is built again once."""
     cxx = compiler()
     if cxx is None:
         raise KernelUnavailable("no C++ compiler found (set CXX, or install g++ or clang++)")
-    key = hashlib.sha256("\0".join((source, cxx, *CXXFLAGS, sys.platform)).encode()).hexdigest()[:24]
-    folder = cache_dir()
-    path = os.path.join(folder, f"kernel_{key}.so")
-    if not os.path.exists(path):
-        os.makedirs(folder, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=folder) as work:
-            src = os.path.join(work, "kernel.cpp")
-            with open(src, "w") as f:
-                f.write(source)
-            built = os.path.join(work, "kernel.so")
-            done = subprocess.run([cxx, *CXXFLAGS, src, "-o", built], capture_output=True, text=True)
-            if done.returncode != 0:
-                raise KernelUnavailable(f"{os.path.basename(cxx)} failed to build the kernel: "
-                                        f"{done.stderr.strip()[-2000:]}")
-            os.replace(built, path)  # atomic: a concurrent build of the same source writes the same bytes
-    lib = ctypes.CDLL(path)
+    key = hashlib.sha256("\0".join((source, cxx, *CXXFLAGS, sys.platform, _target(cxx))).encode()).hexdigest()[:24]
+    path = os.path.join(cache_dir(), f"kernel_{key}.so")
+    try:
+        for attempt in (0, 1):
+            if not os.path.exists(path):
+                _build(cxx, source, path)
+            try:
+                lib = ctypes.CDLL(path)
+                break
+            except OSError:
+                if attempt:
+                    raise
+                os.remove(path)  # cut short or damaged: built again
+    except OSError as e:
+        raise KernelUnavailable(f"the kernel cache {cache_dir()!r} is not usable ({e}); set FASTOPTIM_CACHE "
+                                "to a writable folder") from None
     lib.fo_step.restype = None
     lib.fo_step.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
                             ctypes.c_void_p, ctypes.c_void_p]

@@ -101,6 +101,13 @@ def _subset(bucket: Bucket, indices: list[int]) -> Bucket:
 _kernel_warned: set = set()
 
 
+def _warn_staged(why: str) -> None:
+    if why not in _kernel_warned:
+        _kernel_warned.add(why)
+        warnings.warn(f"fastoptim: 16/8/4-bit state runs staged on the CPU (slower, the same math): {why}",
+                      RuntimeWarning, stacklevel=caller_stacklevel())
+
+
 def run_stored(rule, bucket: Bucket, group: dict, step: int, scalars: tuple, flags: tuple, grad_mul=None,
                found_inf=None) -> Bucket | None:
     """Step the params of ``bucket`` whose 16/8/4-bit state the CPU kernel loads and stores in place; return
@@ -111,21 +118,23 @@ def run_stored(rule, bucket: Bucket, group: dict, step: int, scalars: tuple, fla
         return None
     why = cpu_kernels.available()
     if why is not None:
-        if why not in _kernel_warned:
-            _kernel_warned.add(why)
-            warnings.warn(f"fastoptim: 16/8/4-bit state runs staged on the CPU (slower, same numbers): {why}",
-                          RuntimeWarning, stacklevel=caller_stacklevel())
+        _warn_staged(why)
         return bucket
     by_formats: dict[tuple, list[int]] = {}
     rest = []
     for i in range(len(bucket.params)):
         formats = cpu_kernels.signature(bucket.params, bucket.grads, bucket.states, i)
         (rest if formats is None else by_formats.setdefault(formats, [])).append(i)
-    if by_formats:
-        took("cpu_kernel")
-        packed = pack_scalars(scalars, bucket.device)
-        mul = None if grad_mul is None else grad_mul.to(bucket.device, torch.float32).reshape(())
-        for formats, indices in by_formats.items():
-            part = _subset(bucket, indices)
+    packed = pack_scalars(scalars, bucket.device)
+    mul = None if grad_mul is None else grad_mul.to(bucket.device, torch.float32).reshape(())
+    for formats, indices in by_formats.items():
+        part = _subset(bucket, indices)
+        try:
             cpu_kernels.run(rule.update, part.params, part.grads, part.states, formats, packed, flags, mul)
-    return _subset(bucket, rest) if rest else None
+        except cpu_kernels.KernelUnavailable as e:  # this kernel would not build: its params run staged
+            _warn_staged(str(e))
+            rest += indices
+            continue
+        took("cpu_kernel")
+        torch.autograd.graph.increment_version(part.params)  # written in place, as torch's own kernels count
+    return _subset(bucket, sorted(rest)) if rest else None

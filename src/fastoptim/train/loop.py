@@ -36,6 +36,7 @@ class TrainConfig:
     optimizer: str = "adamw"           # any fastoptim optimizer name
     impl: str = "auto"                 # fastoptim level: auto, loop, foreach, fused, compiled
     flat: bool = False                 # params, grads and states in one buffer per group
+    state_bits: int = 32               # optimizer state: 32, 16 (bf16), 8 or 4 (block-wise quantized)
     lr: float = 3e-3                   # peak learning rate
     min_lr_ratio: float = 0.1          # final lr as a fraction of the peak
     weight_decay: float = 0.1          # decoupled decay on >= 2-D weights (none on norms and biases)
@@ -99,6 +100,8 @@ def check_config(cfg: TrainConfig) -> None:
         raise ValueError("choose one of --ddp and --fsdp")
     if cfg.fsdp and cfg.flat:
         raise ValueError("--flat keeps plain tensors in one buffer; FSDP2 shards them: use one or the other")
+    if cfg.flat and cfg.state_bits != 32:
+        raise ValueError(f"--flat keeps 32-bit state; --state-bits {cfg.state_bits} needs it off")
     if cfg.stop_after < 0:
         raise ValueError(f"stop_after must be >= 0, got {cfg.stop_after}")
     for name in ("steps", "batch_size", "grad_accum_steps", "eval_every", "eval_batches", "save_every",
@@ -184,7 +187,7 @@ def main(cfg: TrainConfig) -> dict:
             fully_shard(block)
         fully_shard(model)
     opt = factory.create(model, cfg.optimizer, lr=cfg.lr, weight_decay=cfg.weight_decay, impl=cfg.impl,
-                         flat=cfg.flat, max_grad_norm=cfg.max_grad_norm)
+                         flat=cfg.flat, max_grad_norm=cfg.max_grad_norm, state_bits=cfg.state_bits)
     scheduler = schedules.Scheduler(opt, lr_schedule(cfg))
     scaler = torch.amp.GradScaler(device.type, enabled=cfg.dtype == "fp16")
     train_model = model
