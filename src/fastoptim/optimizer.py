@@ -66,7 +66,7 @@ def _is_shaped(value) -> bool:
     return isinstance(value, Tensor) and value.dim() > 0
 
 
-STORAGE_SETTINGS = ("state_bits", "min_quant_size")  # group keys that say how state is kept
+STORAGE_SETTINGS = ("state_bits", "min_quant_size", "rounding")  # group keys that say how state is kept
 
 
 class FastOptimizer(torch.optim.Optimizer):
@@ -75,13 +75,16 @@ class FastOptimizer(torch.optim.Optimizer):
 
     def __init__(self, params: Iterable, impl: str = "auto", flat: bool = False,
                  max_grad_norm: float | None = None, state_bits: int = 32,
-                 min_quant_size: int = storage.MIN_QUANT_SIZE, **hyper: Any):
+                 min_quant_size: int = storage.MIN_QUANT_SIZE, rounding: str = "nearest", **hyper: Any):
         self.impl = levels.check_impl(impl)
         self.flat = bool(flat)
         self.state_bits = storage.check_state_bits(state_bits)
         self.min_quant_size = storage.check_min_quant_size(min_quant_size)
+        self.rounding = storage.check_rounding(rounding)
         if self.flat and self.state_bits != 32:
             raise ValueError(f"flat=True keeps 32-bit state; state_bits={state_bits} needs flat=False")
+        if self.flat and self.rounding != "nearest":
+            raise ValueError(f"flat=True rounds to nearest; rounding={rounding!r} needs flat=False")
         if max_grad_norm is not None and (isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float))
                                           or not max_grad_norm > 0):
             raise ValueError(f"Invalid max_grad_norm: {max_grad_norm!r} (must be a number > 0, or None)")
@@ -160,24 +163,32 @@ class FastOptimizer(torch.optim.Optimizer):
     def _new_state(self, p: Tensor, name: str, group: dict) -> Tensor | storage.QuantizedState:
         return storage.make(p, self._state_format(p, name, group), self.rule.initial_value(name, group))
 
-    def _storage_settings(self, group: dict) -> tuple[int, int]:
-        """The group's ``state_bits`` and ``min_quant_size`` (the optimizer's where the group sets none)."""
-        return group.get("state_bits", self.state_bits), group.get("min_quant_size", self.min_quant_size)
+    def _storage_settings(self, group: dict) -> tuple[int, int, str]:
+        """The group's ``state_bits``, ``min_quant_size`` and ``rounding`` (the optimizer's where the group sets
+        none)."""
+        return (group.get("state_bits", self.state_bits), group.get("min_quant_size", self.min_quant_size),
+                group.get("rounding", self.rounding))
 
     def _check_storage(self, group: dict) -> None:
         """A group's storage settings, as given or as edited by hand, before anything is made with them."""
-        bits, min_quant_size = self._storage_settings(group)
+        bits, min_quant_size, rounding = self._storage_settings(group)
         storage.check_state_bits(bits, "state_bits of a param group")
         storage.check_min_quant_size(min_quant_size)
+        storage.check_rounding(rounding)
         if self.flat and bits != 32:
             raise ValueError("flat=True keeps 32-bit state; a param group's state_bits must be 32")
+        if self.flat and rounding != "nearest":
+            raise ValueError("flat=True rounds to nearest; a param group's rounding must be 'nearest'")
+        if rounding == "stochastic" and any(p.dtype == torch.float16 for p in group.get("params", ())):
+            raise ValueError("rounding='stochastic' rounds fp32 to bf16 params; this group has fp16 params: "
+                             "use rounding='kahan' for them")
         why = self.rule.refuses_quantized_state(group) if bits in (8, 4) else None
         if why:
             raise ValueError(f"{type(self).__name__} with state_bits={bits}: {why}")
 
     def _state_format(self, p: Tensor, name: str, group: dict) -> storage.Format:
         """How a state of ``p`` is kept: the group's ``state_bits`` (the optimizer's by default)."""
-        bits, min_quant_size = self._storage_settings(group)
+        bits, min_quant_size, _ = self._storage_settings(group)
         return storage.format_for(p, name, bits, min_quant_size, self.rule.unsigned_states)
 
     # --- the step -------------------------------------------------------------------------------
@@ -240,22 +251,27 @@ class FastOptimizer(torch.optim.Optimizer):
         group = _hyper_view(group)
         flags = rule.flags(group)
         extra = {} if amp.found_inf is None else {"found_inf": amp.found_inf}
+        bits, _, rounding = self._storage_settings(group)
         for bucket in step_plan.buckets:
             level_bucket = Bucket(bucket.params, bucket.grads(grads), bucket.states, bucket.cache)
             run = run or levels.level(self.impl, level_bucket.device)
+            rounded = storage.rounds_in_fp32(bucket.params[0].dtype, rounding)
             if bucket.staged is None:  # plain formats are checked to be the param's dtype: never staged
-                bucket.staged = (self._storage_settings(group)[0] != 32
-                                 and storage.needs_staging(bucket.params, bucket.states))
+                bucket.staged = rounded or bits != 32 and storage.needs_staging(bucket.params, bucket.states)
             args = (group, bucket.step, rule.scalars(group, bucket.step), flags, amp.grad_mul)
-            if bucket.staged:  # 16/8/4-bit state: loaded and stored in the kernel where the level can, else
-                stored = levels.stored_level(self.impl, level_bucket.device)  # through temporaries (``storage``)
-                if stored is not None:
-                    level_bucket = stored(rule, level_bucket, *args, **extra)
-                    if level_bucket is None:
-                        continue
-                storage.run_staged(lambda b: run(rule, b, *args), level_bucket, **extra)
-            else:
+            if not bucket.staged:
                 run(rule, level_bucket, *args, **extra)
+                continue
+            # 16/8/4-bit state: loaded and stored in the kernel where the level can; the rest, and 16-bit
+            # params rounded stochastically or with Kahan, through fp32 temporaries (``storage.run_staged``)
+            stored = None if rounded else levels.stored_level(self.impl, level_bucket.device)
+            if stored is not None:
+                level_bucket = stored(rule, level_bucket, *args, **extra)
+                if level_bucket is None:
+                    continue
+            storage.run_staged(lambda b: run(rule, b, *args), level_bucket, rounding=rounding,
+                               entries=lambda i, owners=bucket.owners: (self._state[owners[i]],
+                                                                        self._param_index(owners[i])), **extra)
 
     def _grad_mul(self, work: list) -> Tensor | None:
         """What the update multiplies the grads by: GradScaler's 1/scale (as GradScaler.unscale_ computes it),
@@ -360,7 +376,8 @@ class FastOptimizer(torch.optim.Optimizer):
             plain, parts = storage.split_quantized(entry)
             for name, saved in parts.items():
                 plain[name] = storage.import_quantized(name, saved, p)
-            sd["state"][index] = {k: storage.torch_value(v, p) for k, v in plain.items()}
+            sd["state"][index] = {k: storage.torch_value(v, p) for k, v in plain.items()
+                                  if k not in storage.ROUNDING_STATES}  # (torch.optim has no use for them)
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -388,7 +405,8 @@ class FastOptimizer(torch.optim.Optimizer):
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
         state.update(impl=self.impl, flat=self.flat, max_grad_norm=self.max_grad_norm,
-                     state_bits=self.state_bits, min_quant_size=self.min_quant_size, _flat_buckets=self._flat_buckets)
+                     state_bits=self.state_bits, min_quant_size=self.min_quant_size, rounding=self.rounding,
+                     _flat_buckets=self._flat_buckets)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -402,6 +420,7 @@ class FastOptimizer(torch.optim.Optimizer):
         self.__dict__.setdefault("max_grad_norm", None)
         self.__dict__.setdefault("state_bits", 32)
         self.__dict__.setdefault("min_quant_size", storage.MIN_QUANT_SIZE)
+        self.__dict__.setdefault("rounding", "nearest")
         self.__dict__.setdefault("_flat_buckets", [])
         self.__dict__.setdefault("last_grad_norm", None)
         self._plans = {}
@@ -447,6 +466,12 @@ class FastOptimizer(torch.optim.Optimizer):
             plain, parts = storage.split_quantized(state)
             for name, value in plain.items():
                 if name == "step" or not isinstance(value, Tensor):
+                    continue
+                if name == storage.RNG:  # the rounding's random stream: [seed, draws]
+                    if value.dtype != torch.int64 or tuple(value.shape) != (2,):
+                        raise ValueError(f"loaded state dict's {name!r} for param {index} must be an int64 "
+                                         f"tensor of shape (2,) (seed, draws), got {value.dtype} {tuple(value.shape)}")
+                    kept.append((index, p, name, value.clone()))  # past torch's loader, which casts to bf16
                     continue
                 if value.shape != p.shape:
                     raise ValueError(f"loaded state dict's {name!r} for param {index} has shape "

@@ -4,7 +4,9 @@
 ``flat=True`` keeps each group's params, grads and states in one buffer per device and dtype;
 ``max_grad_norm=`` clips the global grad norm inside the step (``last_grad_norm`` holds the norm);
 ``state_bits=`` 32, 16 (bf16), 8 or 4 (block-wise quantized, for params with >= 2 dims and
-``min_quant_size`` elements) says how the state is kept (``fastoptim.storage``); a param group may set its own.
+``min_quant_size`` elements) says how the state is kept (``fastoptim.storage``); ``rounding=`` "nearest",
+"stochastic" or "kahan" says how bf16/fp16 params are rounded after an fp32 step (no fp32 master copy);
+a param group may set its own of either.
 torch.optim's ``foreach=True`` / ``fused=True`` are accepted as spellings of ``impl=``.
 """
 
@@ -27,8 +29,8 @@ class SGD(FastOptimizer):
 
     def __init__(self, params, lr=1e-3, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False, *,
                  maximize=False, impl="auto", flat=False, max_grad_norm=None, state_bits=32,
-                 min_quant_size=4096, foreach=None, fused=None):
-        super().__init__(params, _impl(impl, foreach, fused), flat, max_grad_norm, state_bits, min_quant_size, lr=lr, momentum=momentum,
+                 min_quant_size=4096, rounding="nearest", foreach=None, fused=None):
+        super().__init__(params, _impl(impl, foreach, fused), flat, max_grad_norm, state_bits, min_quant_size, rounding, lr=lr, momentum=momentum,
                          dampening=dampening,
                          weight_decay=weight_decay, nesterov=nesterov, maximize=maximize)
 
@@ -38,8 +40,8 @@ class Adam(FastOptimizer):
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, amsgrad=False, *,
                  maximize=False, impl="auto", flat=False, max_grad_norm=None, state_bits=32,
-                 min_quant_size=4096, foreach=None, fused=None):
-        super().__init__(params, _impl(impl, foreach, fused), flat, max_grad_norm, state_bits, min_quant_size, lr=lr, betas=betas, eps=eps,
+                 min_quant_size=4096, rounding="nearest", foreach=None, fused=None):
+        super().__init__(params, _impl(impl, foreach, fused), flat, max_grad_norm, state_bits, min_quant_size, rounding, lr=lr, betas=betas, eps=eps,
                          weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize)
 
 
@@ -48,8 +50,8 @@ class AdamW(FastOptimizer):
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False, *,
                  maximize=False, impl="auto", flat=False, max_grad_norm=None, state_bits=32,
-                 min_quant_size=4096, foreach=None, fused=None):
-        super().__init__(params, _impl(impl, foreach, fused), flat, max_grad_norm, state_bits, min_quant_size, lr=lr, betas=betas, eps=eps,
+                 min_quant_size=4096, rounding="nearest", foreach=None, fused=None):
+        super().__init__(params, _impl(impl, foreach, fused), flat, max_grad_norm, state_bits, min_quant_size, rounding, lr=lr, betas=betas, eps=eps,
                          weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize)
 
 
@@ -58,8 +60,8 @@ class RMSprop(FastOptimizer):
 
     def __init__(self, params, lr=1e-2, alpha=0.99, eps=1e-8, weight_decay=0.0, momentum=0.0, centered=False, *,
                  maximize=False, impl="auto", flat=False, max_grad_norm=None, state_bits=32,
-                 min_quant_size=4096, foreach=None, fused=None):
-        super().__init__(params, _impl(impl, foreach, fused), flat, max_grad_norm, state_bits, min_quant_size, lr=lr, alpha=alpha, eps=eps,
+                 min_quant_size=4096, rounding="nearest", foreach=None, fused=None):
+        super().__init__(params, _impl(impl, foreach, fused), flat, max_grad_norm, state_bits, min_quant_size, rounding, lr=lr, alpha=alpha, eps=eps,
                          weight_decay=weight_decay, momentum=momentum, centered=centered, maximize=maximize)
 
 
@@ -68,8 +70,8 @@ class Adagrad(FastOptimizer):
 
     def __init__(self, params, lr=1e-2, lr_decay=0.0, weight_decay=0.0, initial_accumulator_value=0.0,
                  eps=1e-10, *, maximize=False, impl="auto", flat=False, max_grad_norm=None, state_bits=32,
-                 min_quant_size=4096, foreach=None, fused=None):
-        super().__init__(params, _impl(impl, foreach, fused), flat, max_grad_norm, state_bits, min_quant_size, lr=lr, lr_decay=lr_decay,
+                 min_quant_size=4096, rounding="nearest", foreach=None, fused=None):
+        super().__init__(params, _impl(impl, foreach, fused), flat, max_grad_norm, state_bits, min_quant_size, rounding, lr=lr, lr_decay=lr_decay,
                          weight_decay=weight_decay, initial_accumulator_value=initial_accumulator_value,
                          eps=eps, maximize=maximize)
 
@@ -79,7 +81,7 @@ class Lion(FastOptimizer):
 
     def __init__(self, params, lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0, *,
                  maximize=False, impl="auto", flat=False, max_grad_norm=None, state_bits=32,
-                 min_quant_size=4096, foreach=None, fused=None):
-        super().__init__(params, _impl(impl, foreach, fused), flat, max_grad_norm, state_bits, min_quant_size, lr=lr, betas=betas,
+                 min_quant_size=4096, rounding="nearest", foreach=None, fused=None):
+        super().__init__(params, _impl(impl, foreach, fused), flat, max_grad_norm, state_bits, min_quant_size, rounding, lr=lr, betas=betas,
                          weight_decay=weight_decay,
                          maximize=maximize)

@@ -82,6 +82,56 @@ def check_min_quant_size(value: Any) -> int:
     return value
 
 
+# --- 16-bit params without an fp32 master copy -------------------------------------------------------------
+
+ROUNDINGS = ("nearest", "stochastic", "kahan")
+LOW_PRECISION_PARAMS = (torch.bfloat16, torch.float16)
+KAHAN = "kahan_comp"        # per-param state (rounding="kahan"): what the param lost to rounding, its dtype
+RNG = "rounding_rng"        # per-param state (rounding="stochastic"): int64 [seed, draws so far]
+ROUNDING_STATES = (KAHAN, RNG)
+_M32 = 0xFFFFFFFF
+
+
+def check_rounding(value: Any) -> str:
+    if value not in ROUNDINGS:
+        raise ValueError(f"Invalid rounding: {value!r} (must be one of {', '.join(map(repr, ROUNDINGS))})")
+    return value
+
+
+def rounds_in_fp32(dtype: torch.dtype, rounding: str) -> bool:
+    """Whether params of ``dtype`` step through fp32 temporaries and are rounded back by ``rounding``: bf16/fp16
+    params with stochastic or Kahan rounding. ``"nearest"`` leaves them to the level, as torch.optim does."""
+    return rounding != "nearest" and dtype in LOW_PRECISION_PARAMS
+
+
+def _mix32(x):
+    """A bijective 32-bit integer hash (lowbias32), on Python ints or int64 tensors holding 32-bit values."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _M32
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & _M32
+    return x ^ (x >> 16)
+
+
+def rounding_seed(index: int) -> int:
+    """The random stream's seed of the ``index``-th param of an optimizer: fixed, so runs repeat, and distinct."""
+    return _mix32((_mix32(index + 0x9E3779B9) + 0x632BE5AB) & _M32)
+
+
+def stochastic_round(x: Tensor, key: int) -> Tensor:
+    """fp32 ``x`` rounded to bf16, up with probability equal to the fraction of the way to the next bf16 value
+    (unbiased: the expectation is ``x``). Element ``i`` (row-major) draws 16 bits from ``mix32(i + key)``; a
+    step's ``key`` comes from the param's seed and draw count, so every level, and a resumed run, draws the same
+    bits. NaN and inf round to nearest."""
+    x = x.contiguous()
+    index = torch.arange(x.numel(), dtype=torch.int64, device=x.device).view(x.shape)
+    noise = _mix32((index + key) & _M32) >> 16
+    bits = x.view(torch.int32).to(torch.int64) & _M32
+    up = (bits + noise) & 0xFFFF0000  # sign-magnitude: adding to the magnitude rounds away from zero
+    rounded = torch.where(up >= 1 << 31, up - (1 << 32), up).to(torch.int32).view(torch.float32)
+    return torch.where(torch.isfinite(x), rounded, x).to(torch.bfloat16)
+
+
 def format_for(p: Tensor, name: str, bits: int, min_quant_size: int, unsigned_states: frozenset) -> Format:
     """The format a state of ``p`` is kept in at ``bits``: quantized widths only for params with >= 2 dims
     and ``min_quant_size`` elements; complex params (stepped through their real view) stay plain."""
@@ -253,31 +303,71 @@ def needs_staging(params: list[Tensor], states: list[list | None]) -> bool:
     return any(not is_plain(x, p) for s in states if s is not None for x, p in zip(s, params))
 
 
-def run_staged(run: Callable, bucket, *args, found_inf: Tensor | None = None, **kwargs) -> None:
+def run_staged(run: Callable, bucket, *args, found_inf: Tensor | None = None, rounding: str = "nearest",
+               entries: Callable[[int], tuple[dict, int]] | None = None, **kwargs) -> None:
     """``run`` (a level) over ``bucket`` with every non-plain state loaded into a temporary of its param's
     dtype, stored back afterwards. A step GradScaler skips is never stored: quantizing dequantized values
-    need not give the same codes back. ``found_inf`` is read here (one sync, for staged buckets only)."""
+    need not give the same codes back. ``found_inf`` is read here (one sync, for staged buckets only).
+
+    With ``rounds_in_fp32(dtype, rounding)`` (bf16/fp16 params, stochastic or Kahan rounding) the params,
+    grads and every state step as fp32 temporaries instead: the rule's math in fp32, then each state stored in
+    its format and each param rounded back by ``rounding``. ``entries(i)`` gives the state dict of the
+    bucket's ``i``-th param and its index in the optimizer: the rounding keeps its own state there (``KAHAN``,
+    ``RNG``), made on first use."""
     if found_inf is not None and found_inf.item() != 0:
         return
     from ..levels import Bucket
 
+    fp32 = rounds_in_fp32(bucket.params[0].dtype, rounding)
+    params, grads = bucket.params, bucket.grads
+    if fp32:
+        own = [rounding_state(*entries(i), p, rounding) for i, p in enumerate(params)]
+        params = [p.float() if rounding != "kahan" else p.float() + comp.float() for p, comp in zip(params, own)]
+        grads = [g.float() for g in grads]
     staged, states = [], []
     for lst in bucket.states:
         if lst is None:
             states.append(None)
             continue
         temps = []
-        for state, p in zip(lst, bucket.params):
-            if is_plain(state, p):
+        for state, temp_p in zip(lst, params):
+            if is_plain(state, temp_p):
                 temps.append(state)
             else:
-                temp = load(state, p)
+                temp = load(state, temp_p)
                 staged.append((state, temp))
                 temps.append(temp)
         states.append(temps)
-    run(Bucket(bucket.params, bucket.grads, states, bucket.cache.setdefault("staged", {})), *args, **kwargs)
+    run(Bucket(params, grads, states, bucket.cache.setdefault("staged", {})), *args, **kwargs)
     for state, temp in staged:
         store(state, temp)
+    if fp32:
+        for p, new, state in zip(bucket.params, params, own):
+            round_into(p, new, state, rounding)
+
+
+def rounding_state(entry: dict, index: int, p: Tensor, rounding: str) -> Tensor:
+    """The rounding's own state for ``p`` (Kahan: the compensation, zeros at first; stochastic: [seed, draws],
+    the seed fixed by the param's ``index``), made in ``entry`` on first use."""
+    name = KAHAN if rounding == "kahan" else RNG
+    value = entry.get(name)
+    if value is None:
+        value = torch.zeros_like(p, memory_format=torch.preserve_format) if rounding == "kahan" else \
+            torch.tensor([rounding_seed(index), 0], dtype=torch.int64)
+        entry[name] = value
+    return value
+
+
+def round_into(p: Tensor, new: Tensor, state: Tensor, rounding: str) -> None:
+    """fp32 ``new`` into the 16-bit param ``p``: Kahan keeps what rounding to nearest lost; stochastic draws
+    the step's bits from [seed, draws] and counts one draw."""
+    if rounding == "kahan":
+        p.copy_(new)
+        state.copy_(new - p.float())
+        return
+    seed, draws = (int(v) for v in state.tolist())
+    p.copy_(stochastic_round(new, _mix32((seed ^ _mix32(draws & _M32)) & _M32)))
+    state[1] += 1
 
 
 # --- checkpoints -------------------------------------------------------------------------------------------

@@ -266,7 +266,7 @@ def dequantize(codes: Tensor, absmax: Tensor, qmap: QuantMap, block: int, shape,
     values = (values.reshape(rows, nblocks, block) * absmax.unsqueeze(2)).reshape(rows, nblocks * block)[:, :length]
     values = values.reshape(shape)
     if out is None:
-        return values
+        return values.contiguous()  # a padded row leaves a strided view; levels take contiguous temporaries
     return out.copy_(values)
 
 

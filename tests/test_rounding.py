@@ -1,0 +1,172 @@
+"""bf16/fp16 params without an fp32 master copy: ``rounding="nearest" | "stochastic" | "kahan"``.
+
+With stochastic or Kahan rounding a 16-bit param steps through fp32 temporaries (the rule's math in fp32) and
+is rounded back: stochastically (unbiased, from a random stream kept in the optimizer state) or to nearest
+with a 16-bit compensation buffer that keeps what rounding lost."""
+
+import copy
+
+import pytest
+import torch
+
+import fastoptim
+from fastoptim import storage
+from fastoptim.levels import LEVELS, record_paths
+
+BF16_ULP_AT_1 = 2 ** -7
+
+
+@pytest.mark.parametrize("value", [1.0 + 2 ** -9, -(1.0 + 3 * 2 ** -10), 3.14159, -2.5e-30, 1e30, 0.7 + 1e-4])
+def test_stochastic_rounding_is_unbiased_and_picks_a_neighbour(value):
+    n = 1 << 20
+    x = torch.full((n,), value, dtype=torch.float32)
+    r = storage.stochastic_round(x, key=987654321).float()
+    down = x.to(torch.bfloat16).float()[0].item()  # one neighbour (to nearest), the other one ulp away
+    below = torch.tensor(value).to(torch.bfloat16)
+    neighbours = {float(below.float()), float(torch.nextafter(below, torch.tensor(float("inf"), dtype=torch.bfloat16)).float()),
+                  float(torch.nextafter(below, torch.tensor(-float("inf"), dtype=torch.bfloat16)).float())}
+    assert set(r.unique().tolist()) <= neighbours and down in neighbours
+    assert len(set(r.unique().tolist())) == 2  # both neighbours drawn: the fraction is not 0
+    mean, se = r.double().mean().item(), r.double().std().item() / n ** 0.5
+    assert abs(mean - value) < 5 * se, (mean, value, se)
+
+
+def test_stochastic_rounding_keeps_exact_values_nan_and_inf():
+    x = torch.tensor([1.0, -2.0, 0.0, -0.0, float("inf"), -float("inf"), float("nan"), 2 ** -133])
+    r = storage.stochastic_round(x, key=5)
+    assert r.float()[:6].tolist() == [1.0, -2.0, 0.0, -0.0, float("inf"), -float("inf")]
+    assert torch.isnan(r[6]) and r.dtype == torch.bfloat16
+
+
+def test_the_random_stream_depends_on_the_key_and_the_element_only():
+    x = torch.full((4096,), 1.0 + 2 ** -9)
+    a, b, c = (storage.stochastic_round(x, key=k) for k in (1, 1, 2))
+    assert torch.equal(a, b) and not torch.equal(a, c)
+    assert torch.equal(storage.stochastic_round(x.view(64, 64), key=1).view(-1), a)
+
+
+def _descend(mode: str, impl: str, steps: int = 200, name: str = "SGD", **kw):
+    """Updates of 1e-4 a step on params of 1.0, far below bf16's ulp there (2**-7)."""
+    dtype = torch.float32 if mode == "fp32" else torch.bfloat16
+    p = torch.nn.Parameter(torch.ones(32, 96, dtype=dtype))
+    opt = getattr(fastoptim, name)([p], lr=1e-4, impl=impl, rounding="nearest" if mode == "fp32" else mode, **kw)
+    for _ in range(steps):
+        p.grad = torch.ones_like(p)
+        opt.step()
+    return p.detach().float(), opt
+
+
+@pytest.mark.parametrize("impl", LEVELS)
+def test_stochastic_and_kahan_follow_fp32_where_nearest_stalls_at_every_level(impl):
+    fp32, _ = _descend("fp32", impl)
+    nearest, _ = _descend("nearest", impl)
+    assert torch.equal(nearest, torch.ones_like(nearest))  # every update rounds away
+    # measured, as a share of the distance fp32 travels (0.02): stochastic 0.9 %, Kahan 2.4 % (its 16-bit
+    # compensation rounds the same way every step here, so its error adds up)
+    for mode, share in (("stochastic", 0.02), ("kahan", 0.05)):
+        got, opt = _descend(mode, impl)
+        gap = (got.mean() - fp32.mean()).abs().item()
+        assert gap < share * (1 - fp32.mean().item()), (mode, got.mean().item(), fp32.mean().item())
+        assert set(opt.state[opt.param_groups[0]["params"][0]]) == {storage.KAHAN if mode == "kahan" else storage.RNG}
+
+
+@pytest.mark.parametrize("mode", ["stochastic", "kahan"])
+def test_every_level_rounds_the_same_numbers(mode):
+    """SGD with momentum: one rounding per operation in fp32 at every level, so every level agrees exactly."""
+    results = {}
+    for impl in LEVELS:
+        g = torch.Generator().manual_seed(0)
+        p = torch.nn.Parameter(torch.randn(40, 70, generator=g).to(torch.bfloat16))
+        opt = fastoptim.SGD([p], lr=1e-3, momentum=0.9, impl=impl, rounding=mode)
+        for _ in range(5):
+            p.grad = torch.randn(p.shape, generator=g).to(torch.bfloat16)
+            opt.step()
+        results[impl] = p.detach().clone()
+    for impl in LEVELS:
+        assert torch.equal(results[impl], results["loop"]), impl
+
+
+@pytest.mark.parametrize("bits", [32, 8])
+@pytest.mark.parametrize("mode", ["stochastic", "kahan"])
+def test_save_load_continue_is_bit_identical(mode, bits):
+    g = torch.Generator().manual_seed(1)
+    params = [torch.nn.Parameter(torch.randn(s, generator=g).to(torch.bfloat16)) for s in [(64, 80), (80,)]]
+    grads = [[torch.randn(p.shape, generator=g).to(torch.bfloat16) for p in params] for _ in range(6)]
+    kw = dict(lr=1e-3, rounding=mode, state_bits=bits, min_quant_size=0)
+
+    def run(ps, opt, steps):
+        for gs in steps:
+            for p, gr in zip(ps, gs):
+                p.grad = gr.clone()
+            opt.step()
+
+    straight = copy.deepcopy(params)
+    run(straight, fastoptim.AdamW(straight, **kw), grads)
+    first = copy.deepcopy(params)
+    opt = fastoptim.AdamW(first, **kw)
+    run(first, opt, grads[:3])
+    saved = copy.deepcopy(opt.state_dict())
+    assert all((storage.RNG if mode == "stochastic" else storage.KAHAN) in entry for entry in saved["state"].values())
+    resumed = copy.deepcopy(first)
+    opt2 = fastoptim.AdamW(resumed, **kw)
+    opt2.load_state_dict(saved)
+    run(resumed, opt2, grads[3:])
+    for a, b in zip(resumed, straight):
+        assert torch.equal(a, b)
+    torch_sd = opt2.torch_state_dict()  # torch.optim has no use for the rounding's own state
+    assert not any(set(entry) & set(storage.ROUNDING_STATES) for entry in torch_sd["state"].values())
+    twin = [torch.nn.Parameter(p.detach().clone()) for p in resumed]
+    torch.optim.AdamW(twin, lr=1e-3).load_state_dict(torch_sd)
+
+
+def test_a_param_group_sets_its_own_rounding_and_fp32_params_are_untouched_by_it():
+    bf = torch.nn.Parameter(torch.ones(8, 8, dtype=torch.bfloat16))
+    kahan = torch.nn.Parameter(torch.ones(8, 8, dtype=torch.bfloat16))
+    full = torch.nn.Parameter(torch.ones(8, 8))
+    opt = fastoptim.SGD([{"params": [bf, full]}, {"params": [kahan], "rounding": "kahan"}], lr=1e-4,
+                        rounding="stochastic")
+    for p in (bf, kahan, full):
+        p.grad = torch.ones_like(p)
+    opt.step()
+    assert set(opt.state[bf]) == {storage.RNG} and set(opt.state[kahan]) == {storage.KAHAN}
+    assert full not in opt.state or not opt.state[full]  # fp32 params step as ever
+    assert torch.equal(full.detach(), torch.full((8, 8), 1 - 1e-4))
+
+
+def test_bad_rounding_is_named_and_changes_nothing():
+    p = torch.nn.Parameter(torch.ones(4, 4, dtype=torch.float16))
+    with pytest.raises(ValueError, match="Invalid rounding: 'up'"):
+        fastoptim.AdamW([p], rounding="up")
+    with pytest.raises(ValueError, match="flat=True rounds to nearest"):
+        fastoptim.AdamW([p], rounding="kahan", flat=True)
+    opt = fastoptim.AdamW([p], rounding="stochastic")
+    p.grad = torch.ones_like(p)
+    before = p.detach().clone()
+    with pytest.raises(ValueError, match="fp16 params: use rounding='kahan'"):
+        opt.step()
+    assert torch.equal(p.detach(), before) and not opt.state
+    opt.param_groups[0]["rounding"] = "kahan"  # the message's advice works
+    opt.step()
+    assert set(opt.state[p]) == {"exp_avg", "exp_avg_sq", "step", storage.KAHAN}
+
+
+def test_a_step_grad_scaler_skips_draws_nothing_and_rounds_nothing():
+    p = torch.nn.Parameter(torch.ones(16, 16, dtype=torch.bfloat16))
+    opt = fastoptim.SGD([p], lr=1e-4, rounding="stochastic")
+    p.grad = torch.ones_like(p)
+    opt.step()
+    draws = opt.state[p][storage.RNG].clone()
+    before = p.detach().clone()
+    opt.grad_scale, opt.found_inf = torch.tensor(1.0), torch.tensor(1.0)
+    opt.step()
+    assert torch.equal(p.detach(), before) and torch.equal(opt.state[p][storage.RNG], draws)
+
+
+def test_low_bit_state_with_stochastic_rounding_runs_the_staged_path():
+    p = torch.nn.Parameter(torch.randn(64, 128).to(torch.bfloat16))
+    opt = fastoptim.AdamW([p], state_bits=8, min_quant_size=0, rounding="stochastic", impl="fused")
+    p.grad = torch.randn_like(p)
+    with record_paths() as paths:
+        opt.step()
+    assert paths == ["torch_fused"]  # the fp32 temporaries take torch's own fused kernel on the CPU
+    assert isinstance(opt.state[p]["exp_avg"], storage.QuantizedState)
