@@ -67,8 +67,8 @@ class UserProgram(RuleBasedStateMachine):
         self.spec = spec = OPTIMIZERS[name]
         self.opts = dict(spec.option_sets[option % len(spec.option_sets)])
         low = {}
-        if self.state_bits != 32:  # flat mode keeps 32-bit state; every matrix is quantized
-            flat, low = False, dict(state_bits=self.state_bits, min_quant_size=0)
+        if self.state_bits != 32:  # every matrix is quantized (flat mode: kept apart from the flat buffers)
+            low = dict(state_bits=self.state_bits, min_quant_size=0)
             if self.state_bits in (8, 4) and spec.cls.rule.refuses_quantized_state({**spec.cls.rule.defaults,
                                                                                     **self.opts}):
                 self.opts = dict(spec.option_sets[0])  # (centered RMSprop: refused by name, tested apart)

@@ -79,12 +79,17 @@ def test_low_precision_autocast_trains(tmp_path, dtype):
     assert all(torch.isfinite(torch.tensor(e["loss"])) for e in summary["log"])
 
 
+def test_flat_buffers_with_8_bit_state_train(tmp_path):
+    summary = main(tiny(tmp_path, steps=10, flat=True, state_bits=8, sample_tokens=0))
+    losses = [e["loss"] for e in summary["log"]]
+    assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0]
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--data", "/no/such/file.txt"], "data file not found"),
     (["--resume", "--out-dir", "/no/such/dir"], "no checkpoint"),
     (["--fp8"], "compute capability"),
     (["--steps", "0"], "steps must be >= 1"),
-    (["--state-bits", "8", "--flat"], "--flat keeps 32-bit state"),
 ])
 def test_bad_settings_get_a_clear_message(argv, message, capsys):
     assert cli(["train", *argv]) == 2

@@ -3,11 +3,17 @@
 Each param's ``.data`` and ``.grad`` become views into the buffers, so autograd accumulates into the
 flat grad buffer in place, ``zero_grad()`` is one memset, and a step is one elementwise pass over a
 single tensor per state. The per-param state dict keeps views too, so ``state_dict()`` is unchanged.
+
+With 8/4-bit state the params whose states are quantized (block-wise, per param: ``storage``) are put
+first in the buffers and keep their quantized states of their own; the rest (small or 1-D params, plain
+state) follow, so their states are one buffer over the tail and still step in one pass. 16-bit states are
+one bf16 buffer.
 """
 
 from __future__ import annotations
 
 import operator
+from typing import Callable
 
 import torch
 from torch import Tensor
@@ -21,8 +27,11 @@ def same_layout(a: Tensor, b: Tensor) -> bool:
 
 
 class FlatBucket:
-    def __init__(self, params: list[Tensor]):
+    def __init__(self, params: list[Tensor], first: Callable[[Tensor], bool] | None = None):
+        """``first(p)``: whether ``p`` goes to the front of the buffers (its states are kept apart)."""
         self.check(params)
+        if first is not None:
+            params = sorted(params, key=lambda p: not first(p))  # stable: the group's order otherwise
         self.params = params
         p0 = params[0]
         self.numels = [p.numel() for p in params]
@@ -38,8 +47,9 @@ class FlatBucket:
             p.grad = gv
         self.grad_views = grad_views
         self.param_views = param_views
-        self.state_buffers: dict[str, Tensor] = {}
-        self._state_views: dict[str, list[Tensor]] = {}
+        self.state_buffers: dict[str, Tensor] = {}  # each over the params from its start on
+        self._state_views: dict[str, list[Tensor | None]] = {}
+        self._state_layouts: dict[str, tuple[int, torch.dtype]] = {}  # name -> (first param, dtype)
 
     @staticmethod
     def check(params: list[Tensor]) -> None:
@@ -58,17 +68,26 @@ class FlatBucket:
     def dtype(self) -> torch.dtype:
         return self.param_buffer.dtype
 
-    def views(self, buffer: Tensor) -> list[Tensor]:
-        return [v.view(p.shape) for v, p in zip(buffer.split(self.numels), self.params)]
+    def views(self, buffer: Tensor, start: int = 0) -> list[Tensor]:
+        """Views of ``buffer`` as the params from ``start`` on."""
+        return [v.view(p.shape) for v, p in zip(buffer.split(self.numels[start:]), self.params[start:])]
 
-    def state_views(self, name: str) -> list[Tensor]:
-        """The per-param views of one state's flat buffer (made on first use; the step plan fills a view
-        before a param's state uses it). The same view objects every call: the plan tells by identity
-        whether a param's state still is its view."""
+    def offset(self, start: int) -> int:
+        """Where param ``start`` begins in the param and grad buffers."""
+        return sum(self.numels[:start])
+
+    def state_views(self, name: str, start: int = 0, dtype: torch.dtype | None = None) -> list[Tensor | None]:
+        """Per param, its view of one state's flat buffer, which holds the params from ``start`` on in
+        ``dtype`` (the params' by default); None for the params before ``start``. Made on first use, and anew
+        when ``start`` or ``dtype`` change (the step plan fills a view before a param's state uses it). The
+        same view objects every call: the plan tells by identity whether a param's state still is its view."""
+        layout = (start, dtype or self.dtype)
         views = self._state_views.get(name)
-        if views is None:
-            buffer = self.state_buffers[name] = torch.zeros_like(self.param_buffer)
-            views = self._state_views[name] = self.views(buffer)
+        if views is None or self._state_layouts[name] != layout:
+            buffer = self.state_buffers[name] = torch.zeros(self.param_buffer.numel() - self.offset(start),
+                                                            dtype=layout[1], device=self.device)
+            views = self._state_views[name] = [None] * start + self.views(buffer, start)
+            self._state_layouts[name] = layout
         return views
 
     def rehome(self) -> None:
@@ -82,7 +101,8 @@ class FlatBucket:
         if any(v.data_ptr() != w.data_ptr() for v, w in zip(self.grad_views, self.views(self.grad_buffer))):
             self.grad_views = self.views(self.grad_buffer)
         for name, buffer in self.state_buffers.items():
-            self._state_views[name] = self.views(buffer)
+            start = self._state_layouts[name][0]
+            self._state_views[name] = [None] * start + self.views(buffer, start)
         self.repair_grads()
 
     def repair_grads(self) -> None:

@@ -81,8 +81,6 @@ class FastOptimizer(torch.optim.Optimizer):
         self.state_bits = storage.check_state_bits(state_bits)
         self.min_quant_size = storage.check_min_quant_size(min_quant_size)
         self.rounding = storage.check_rounding(rounding)
-        if self.flat and self.state_bits != 32:
-            raise ValueError(f"flat=True keeps 32-bit state; state_bits={state_bits} needs flat=False")
         if self.flat and self.rounding != "nearest":
             raise ValueError(f"flat=True rounds to nearest; rounding={rounding!r} needs flat=False")
         if max_grad_norm is not None and (isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float))
@@ -145,7 +143,9 @@ class FastOptimizer(torch.optim.Optimizer):
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         if self.flat:
-            self._flat_buckets.append([FlatBucket(ps) for ps in by_key.values()])
+            bits, min_quant_size, _ = self._storage_settings(group)
+            kept_apart = lambda p: storage.format_for(p, "", bits, min_quant_size, frozenset()).quantized  # noqa: E731
+            self._flat_buckets.append([FlatBucket(ps, first=kept_apart) for ps in by_key.values()])
         if self.rule.eager_state:
             for p in group["params"]:
                 self._init_state(p, group)
@@ -175,8 +175,6 @@ class FastOptimizer(torch.optim.Optimizer):
         storage.check_state_bits(bits, "state_bits of a param group")
         storage.check_min_quant_size(min_quant_size)
         storage.check_rounding(rounding)
-        if self.flat and bits != 32:
-            raise ValueError("flat=True keeps 32-bit state; a param group's state_bits must be 32")
         if self.flat and rounding != "nearest":
             raise ValueError("flat=True rounds to nearest; a param group's rounding must be 'nearest'")
         if rounding == "stochastic" and any(p.dtype == torch.float16 for p in group.get("params", ())):

@@ -196,7 +196,7 @@ class PlanBucket:
     states: list[list[Tensor] | None]  # per rule.state_names, None where inactive
     owners: list[Tensor]               # the user's params whose state this bucket steps
     positions: list[int] | None        # where its params sit among the group's params with grads; None: all
-    flat: FlatBucket | None = None     # the bucket is one flat buffer per tensor role
+    flat_grad: Tensor | None = None    # flat mode: the bucket is one buffer (or its tail) per tensor role
     convert: bool = False              # grads need the same view as params (DTensor local, complex real)
     dicts: list = field(default_factory=list)  # the owners' state dicts (None: no state), set at commit
     cache: dict = field(default_factory=dict)  # the level's own (the fused level's tensor table)
@@ -204,8 +204,8 @@ class PlanBucket:
 
     def grads(self, group_grads: list[Tensor] | None) -> list[Tensor]:
         """This step's grads for the bucket, from the group's (None in flat mode: the grads are views)."""
-        if self.flat is not None:
-            return [self.flat.grad_buffer]
+        if self.flat_grad is not None:
+            return [self.flat_grad]
         if group_grads is None:
             return [p.grad for p in self.owners]
         grads = group_grads if self.positions is None else [group_grads[i] for i in self.positions]
@@ -369,7 +369,7 @@ def build(rule, group: dict, params: list[Tensor], state_map: StateMap, state_fo
     if flat_buckets is not None:
         positions = {id(p): i for i, p in enumerate(params)}
         for fb in flat_buckets:
-            _build_flat(plan, rule, group, fb, names, positions, param_index)
+            _build_flat(plan, rule, group, fb, names, positions, state_format, param_index)
         return plan
     buckets: dict[tuple, PlanBucket] = {}
     for position, p in enumerate(params):
@@ -403,9 +403,11 @@ def build(rule, group: dict, params: list[Tensor], state_map: StateMap, state_fo
 
 
 def _build_flat(plan: Plan, rule, group: dict, fb: FlatBucket, names: list[str], positions: dict,
-                param_index) -> None:
-    """Flat mode: every state is a view of the bucket's buffer. A missing state starts at its initial
-    value in its view; one the user replaced (or a checkpoint loaded) is copied into its view."""
+                state_format, param_index) -> None:
+    """Flat mode: a state is a view of the bucket's buffer for that state, which holds the params from the
+    first one whose states are plain or 16-bit on (``FlatBucket`` puts the params with quantized states
+    first); the params before it keep states of their own, as without flat mode. A missing state starts at
+    its initial value; one the user replaced (or a checkpoint loaded) is copied into its view, or converted."""
     replaced = [i for i, (p, view) in enumerate(zip(fb.params, fb.param_views))
                 if not same_layout(p, view)]
     for i in replaced:  # p.data = ... or p.t_() since the last step: the values go into the buffer (at commit)
@@ -416,21 +418,39 @@ def _build_flat(plan: Plan, rule, group: dict, fb: FlatBucket, names: list[str],
                              f"dtype {view.dtype}, device {view.device}: make a new optimizer for the new layout")
     if replaced:
         plan.rehome.append(fb)
-    views = {name: fb.state_views(name) for name in names}
+    formats = {name: [state_format(p, name, group) for p in fb.params] for name in names}
+    apart = [any(formats[n][i].quantized for n in names) for i in range(len(fb.params))]
+    start = max((i + 1 for i, a in enumerate(apart) if a), default=0)  # the flat buffers' first param
+    tail_format = {n: formats[n][-1] for n in names} if start < len(fb.params) else {}
+    views = {n: fb.state_views(n, start, torch.bfloat16 if fmt.bits == 16 else None)
+             for n, fmt in tail_format.items()}
     fills = {name: rule.initial_value(name, group) for name in names}
-    counts = []
+    counts, tensors = [], []
     for i, p in enumerate(fb.params):
         def make(name, value, i=i, p=p):
-            if value is None:
-                return views[name][i], fills[name]
-            _check_state_tensor(value, p, name, param_index(p))
-            return views[name][i], value
-        _, count = _param_states(plan, p, plan.state_map.get(p), names, rule.exports_step, make, param_index)
+            adopted = None if value is None else _adopt(value, p, formats[name][i], name, param_index(p))
+            if i < start:  # kept apart, as without flat mode
+                return (storage.make(p, formats[name][i], fills[name]) if value is None else adopted), None
+            view = views[name][i]
+            return view, (fills[name] if value is None else None if value is view else adopted)
+        ts, count = _param_states(plan, p, plan.state_map.get(p), names, rule.exports_step, make, param_index)
         counts.append(count)
-    if len(set(counts)) == 1:  # the usual case: one pass over each flat buffer
-        states = [[fb.state_buffers[n]] if n in views else None for n in rule.state_names]
-        plan.buckets.append(PlanBucket((fb.device, fb.dtype), counts[0], [fb.param_buffer], states,
-                                       list(fb.params), None, flat=fb))
+        tensors.append(ts)
+
+    column = {name: k for k, name in enumerate(names)}
+
+    def states(members: list[int]) -> list[list | None]:
+        return [[tensors[i][column[n]] for i in members] if n in column else None for n in rule.state_names]
+
+    if len(set(counts)) == 1:  # the usual case: one pass over each flat buffer (and one kernel call for the rest)
+        if start:
+            plan.buckets.append(PlanBucket((fb.device, fb.dtype), counts[0], list(fb.params[:start]),
+                                           states(list(range(start))), list(fb.params[:start]), None))
+        if start < len(fb.params):
+            off = fb.offset(start)
+            buffers = [[fb.state_buffers[n]] if n in views else None for n in rule.state_names]
+            plan.buckets.append(PlanBucket((fb.device, fb.dtype), counts[0], [fb.param_buffer[off:]], buffers,
+                                           list(fb.params[start:]), None, flat_grad=fb.grad_buffer[off:]))
         return
     # params at different counts (a reset state, a partial checkpoint): per param, on the views
     by_count: dict[int, list[int]] = {}
@@ -438,6 +458,5 @@ def _build_flat(plan: Plan, rule, group: dict, fb: FlatBucket, names: list[str],
         by_count.setdefault(c, []).append(i)
     for c, members in by_count.items():
         owners = [fb.params[i] for i in members]
-        states = [[views[n][i] for i in members] if n in views else None for n in rule.state_names]
-        plan.buckets.append(PlanBucket((fb.device, fb.dtype), c, owners, states, owners,
+        plan.buckets.append(PlanBucket((fb.device, fb.dtype), c, owners, states(members), owners,
                                        [positions[id(p)] for p in owners]))

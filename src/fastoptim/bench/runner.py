@@ -63,7 +63,7 @@ def rows_for(optimizer: str, impls: list[str], flat_impls: list[str] = (), peers
     torch.compile of torch's step). With ``clip``, fastoptim rows clip inside the step (``max_grad_norm``),
     torch rows run ``torch.nn.utils.clip_grad_norm_`` first, and one more row shows fastoptim's fused level
     with the separate clip pass, to read off what fusing saves. ``state_bits``: more fastoptim rows, each
-    level again with its state kept at those widths (``state_bits=``)."""
+    level (and each flat level) again with its state kept at those widths (``state_bits=``)."""
     if peers not in PEER_MODES:
         raise ValueError(f"peers must be one of {PEER_MODES}, got {peers!r}")
     spec = registry.get(optimizer)
@@ -77,6 +77,9 @@ def rows_for(optimizer: str, impls: list[str], flat_impls: list[str] = (), peers
     rows += [Row(f"fastoptim {impl} {bits}-bit state{tag}", "fastoptim", f"{impl}+{bits}bit",
                  lambda ps, impl=impl, bits=bits: spec.cls(ps, impl=impl, state_bits=bits, **ours))
              for bits in state_bits if bits != 32 for impl in impls]
+    rows += [Row(f"fastoptim {impl} flat {bits}-bit state{tag}", "fastoptim", f"{impl}+flat+{bits}bit",
+                 lambda ps, impl=impl, bits=bits: spec.cls(ps, impl=impl, flat=True, state_bits=bits, **ours))
+             for bits in state_bits if bits != 32 for impl in flat_impls]
     if clip:
         from ..clip import clip_grad_norm_
         rows.append(Row("fastoptim fused + clip_grad_norm_", "fastoptim", "fused",

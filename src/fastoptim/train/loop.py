@@ -100,8 +100,6 @@ def check_config(cfg: TrainConfig) -> None:
         raise ValueError("choose one of --ddp and --fsdp")
     if cfg.fsdp and cfg.flat:
         raise ValueError("--flat keeps plain tensors in one buffer; FSDP2 shards them: use one or the other")
-    if cfg.flat and cfg.state_bits != 32:
-        raise ValueError(f"--flat keeps 32-bit state; --state-bits {cfg.state_bits} needs it off")
     if cfg.stop_after < 0:
         raise ValueError(f"stop_after must be >= 0, got {cfg.stop_after}")
     for name in ("steps", "batch_size", "grad_accum_steps", "eval_every", "eval_batches", "save_every",
