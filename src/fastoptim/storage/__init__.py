@@ -146,9 +146,11 @@ def format_for(p: Tensor, name: str, bits: int, min_quant_size: int, unsigned_st
 
 # --- quantized state ---------------------------------------------------------------------------------------
 
-@dataclass
+@dataclass(frozen=True)
 class QuantizedState:
-    """One state tensor kept as block-wise codes (``quant``): ``codes`` uint8, ``absmax`` fp32 per block."""
+    """One state tensor kept as block-wise codes (``quant``): ``codes`` uint8, ``absmax`` fp32 per block.
+    Frozen: its tensors are written in place, never swapped, so kernel tables that hold their addresses stay
+    right while the state is in use (to replace a state, put a new one into ``optimizer.state``)."""
     codes: Tensor
     absmax: Tensor
     fmt: Format
