@@ -33,11 +33,11 @@ def shard(net):
     return net
 
 
-def train(net, opt, steps=4):
+def train(net, opt, steps=4, dtype=torch.float32):
     g = torch.Generator().manual_seed(1)
     inputs = net[0].in_features
     for _ in range(steps):
-        x = torch.randn(8, inputs, generator=g)  # the same batch on every rank
+        x = torch.randn(8, inputs, generator=g).to(dtype)  # the same batch on every rank
         net(x).pow(2).mean().backward()
         opt.step()
         opt.zero_grad()
@@ -76,6 +76,15 @@ def main(out_path):
         plain = wide_model()
         plain_params = train(plain, fastoptim.AdamW(plain.parameters(), **low))
         result[f"zero1 {bits}-bit"] = max((a - b).abs().max().item() for a, b in zip(params, plain_params))
+    for rounding in ("stochastic", "kahan"):  # bf16 params: the same random bits and compensation on any ranks
+        low = dict(lr=1e-2, rounding=rounding, state_bits=8, min_quant_size=0)
+        for impl in ("loop", "fused"):
+            single = wide_model().to(torch.bfloat16)
+            reference = train(single, fastoptim.AdamW(single.parameters(), impl=impl, **low), dtype=torch.bfloat16)
+            net = shard(wide_model().to(torch.bfloat16))
+            params = train(net, fastoptim.AdamW(net.parameters(), impl=impl, **low), dtype=torch.bfloat16)
+            result[f"fsdp2 {impl} bf16 {rounding}"] = max((a.float() - b.float()).abs().max().item()
+                                                          for a, b in zip(params, reference))
     if dist.get_rank() == 0:
         with open(out_path, "w") as f:
             json.dump(result, f)

@@ -50,6 +50,14 @@ def test_zero1_with_low_bit_state_matches_one_process(dist_results, bits):
     assert dist_results[f"zero1 {bits}-bit"] == 0.0
 
 
+@pytest.mark.parametrize("rounding", ["stochastic", "kahan"])
+@pytest.mark.parametrize("impl", ["loop", "fused"])
+def test_fsdp2_with_bf16_params_rounded_matches_one_process(dist_results, impl, rounding):
+    """bf16 params without fp32 masters: each element draws its random bits by its index in the whole param,
+    and Kahan's compensation is sharded like its param, so two ranks round exactly as one process."""
+    assert dist_results[f"fsdp2 {impl} bf16 {rounding}"] == 0.0
+
+
 def without_timings(log):
     return [{k: v for k, v in e.items() if k != "tokens_per_s"} for e in log]
 

@@ -269,7 +269,8 @@ class FastOptimizer(torch.optim.Optimizer):
                     continue
             storage.run_staged(lambda b: run(rule, b, *args), level_bucket, rounding=rounding,
                                entries=lambda i, owners=bucket.owners: (self._state[owners[i]],
-                                                                        self._param_index(owners[i])), **extra)
+                                                                        self._param_index(owners[i]), owners[i]),
+                               **extra)
 
     def _grad_mul(self, work: list) -> Tensor | None:
         """What the update multiplies the grads by: GradScaler's 1/scale (as GradScaler.unscale_ computes it),

@@ -118,18 +118,37 @@ def rounding_seed(index: int) -> int:
     return _mix32((_mix32(index + 0x9E3779B9) + 0x632BE5AB) & _M32)
 
 
-def stochastic_round(x: Tensor, key: int) -> Tensor:
+def stochastic_round(x: Tensor, key: int, index: Tensor | None = None) -> Tensor:
     """fp32 ``x`` rounded to bf16, up with probability equal to the fraction of the way to the next bf16 value
-    (unbiased: the expectation is ``x``). Element ``i`` (row-major) draws 16 bits from ``mix32(i + key)``; a
-    step's ``key`` comes from the param's seed and draw count, so every level, and a resumed run, draws the same
+    (unbiased: the expectation is ``x``). Element ``i`` draws 16 bits from ``mix32(i + key)``, ``i`` its index in
+    the whole param (``index``: ``element_index``; row-major over ``x`` by default); a step's ``key`` comes from
+    the param's seed and draw count, so every level, every number of ranks and a resumed run draw the same
     bits. NaN and inf round to nearest."""
     x = x.contiguous()
-    index = torch.arange(x.numel(), dtype=torch.int64, device=x.device).view(x.shape)
+    if index is None:
+        index = torch.arange(x.numel(), dtype=torch.int64, device=x.device).view(x.shape)
     noise = _mix32((index + key) & _M32) >> 16
     bits = x.view(torch.int32).to(torch.int64) & _M32
     up = (bits + noise) & 0xFFFF0000  # sign-magnitude: adding to the magnitude rounds away from zero
     rounded = torch.where(up >= 1 << 31, up - (1 << 32), up).to(torch.int32).view(torch.float32)
     return torch.where(torch.isfinite(x), rounded, x).to(torch.bfloat16)
+
+
+def element_index(param: Tensor) -> Tensor:
+    """Each element's row-major index in the whole param, for this rank's part of it (a DTensor's local shard
+    sits at its global offset; a plain tensor is all of itself)."""
+    if not _is_dtensor(param):
+        return torch.arange(param.numel(), dtype=torch.int64, device=param.device).view(param.shape)
+    local = param.to_local()
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    _, offsets = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+    strides = torch.empty(param.shape, device="meta").stride()
+    index = torch.zeros(local.shape, dtype=torch.int64, device=local.device)
+    for dim, (size, offset, stride) in enumerate(zip(local.shape, offsets, strides)):
+        along = (torch.arange(size, dtype=torch.int64, device=local.device) + offset) * stride
+        index += along.view([size if d == dim else 1 for d in range(local.dim())])
+    return index
 
 
 def format_for(p: Tensor, name: str, bits: int, min_quant_size: int, unsigned_states: frozenset) -> Format:
@@ -306,7 +325,7 @@ def needs_staging(params: list[Tensor], states: list[list | None]) -> bool:
 
 
 def run_staged(run: Callable, bucket, *args, found_inf: Tensor | None = None, rounding: str = "nearest",
-               entries: Callable[[int], tuple[dict, int]] | None = None, **kwargs) -> None:
+               entries: Callable[[int], tuple[dict, int, Tensor]] | None = None, **kwargs) -> None:
     """``run`` (a level) over ``bucket`` with every non-plain state loaded into a temporary of its param's
     dtype, stored back afterwards. A step GradScaler skips is never stored: quantizing dequantized values
     need not give the same codes back. ``found_inf`` is read here (one sync, for staged buckets only).
@@ -314,8 +333,8 @@ def run_staged(run: Callable, bucket, *args, found_inf: Tensor | None = None, ro
     With ``rounds_in_fp32(dtype, rounding)`` (bf16/fp16 params, stochastic or Kahan rounding) the params,
     grads and every state step as fp32 temporaries instead: the rule's math in fp32, then each state stored in
     its format and each param rounded back by ``rounding``. ``entries(i)`` gives the state dict of the
-    bucket's ``i``-th param and its index in the optimizer: the rounding keeps its own state there (``KAHAN``,
-    ``RNG``), made on first use."""
+    bucket's ``i``-th param, its index in the optimizer and the param itself (a DTensor where the bucket holds
+    its local shard): the rounding keeps its own state there (``KAHAN``, ``RNG``), made on first use."""
     if found_inf is not None and found_inf.item() != 0:
         return
     from ..levels import Bucket
@@ -323,7 +342,8 @@ def run_staged(run: Callable, bucket, *args, found_inf: Tensor | None = None, ro
     fp32 = rounds_in_fp32(bucket.params[0].dtype, rounding)
     params, grads = bucket.params, bucket.grads
     if fp32:
-        own = [rounding_state(*entries(i), p, rounding) for i, p in enumerate(params)]
+        owners = [entries(i) for i in range(len(params))]
+        own = [rounding_state(entry, index, owner, rounding) for entry, index, owner in owners]
         params = [p.float() if rounding != "kahan" else p.float() + comp.float() for p, comp in zip(params, own)]
         grads = [g.float() for g in grads]
     staged, states = [], []
@@ -344,31 +364,32 @@ def run_staged(run: Callable, bucket, *args, found_inf: Tensor | None = None, ro
     for state, temp in staged:
         store(state, temp)
     if fp32:
-        for p, new, state in zip(bucket.params, params, own):
-            round_into(p, new, state, rounding)
+        for p, new, state, (_, _, owner) in zip(bucket.params, params, own, owners):
+            round_into(p, new, state, rounding, owner)
 
 
-def rounding_state(entry: dict, index: int, p: Tensor, rounding: str) -> Tensor:
-    """The rounding's own state for ``p`` (Kahan: the compensation, zeros at first; stochastic: [seed, draws],
-    the seed fixed by the param's ``index``), made in ``entry`` on first use."""
+def rounding_state(entry: dict, index: int, param: Tensor, rounding: str) -> Tensor:
+    """The rounding's own state for ``param`` (Kahan: the compensation, zeros at first, sharded like the param;
+    stochastic: [seed, draws], the seed fixed by the param's ``index``), made in ``entry`` on first use. Returns
+    what the step works on (this rank's part)."""
     name = KAHAN if rounding == "kahan" else RNG
     value = entry.get(name)
     if value is None:
-        value = torch.zeros_like(p, memory_format=torch.preserve_format) if rounding == "kahan" else \
+        value = torch.zeros_like(param, memory_format=torch.preserve_format) if rounding == "kahan" else \
             torch.tensor([rounding_seed(index), 0], dtype=torch.int64)
         entry[name] = value
-    return value
+    return value.to_local() if _is_dtensor(value) else value
 
 
-def round_into(p: Tensor, new: Tensor, state: Tensor, rounding: str) -> None:
-    """fp32 ``new`` into the 16-bit param ``p``: Kahan keeps what rounding to nearest lost; stochastic draws
-    the step's bits from [seed, draws] and counts one draw."""
+def round_into(p: Tensor, new: Tensor, state: Tensor, rounding: str, param: Tensor) -> None:
+    """fp32 ``new`` into the 16-bit ``p`` (``param``, or this rank's part of it): Kahan keeps what rounding to
+    nearest lost; stochastic draws the step's bits from [seed, draws] and counts one draw."""
     if rounding == "kahan":
         p.copy_(new)
         state.copy_(new - p.float())
         return
     seed, draws = (int(v) for v in state.tolist())
-    p.copy_(stochastic_round(new, _mix32((seed ^ _mix32(draws & _M32)) & _M32)))
+    p.copy_(stochastic_round(new, _mix32((seed ^ _mix32(draws & _M32)) & _M32), element_index(param)))
     state[1] += 1
 
 
