@@ -330,8 +330,8 @@ def run_staged(run: Callable, bucket, *args, found_inf: Tensor | None = None, ro
     dtype, stored back afterwards. A step GradScaler skips is never stored: quantizing dequantized values
     need not give the same codes back. ``found_inf`` is read here (one sync, for staged buckets only).
 
-    With ``rounds_in_fp32(dtype, rounding)`` (bf16/fp16 params, stochastic or Kahan rounding) the params,
-    grads and every state step as fp32 temporaries instead: the rule's math in fp32, then each state stored in
+    With ``rounds_in_fp32(dtype, rounding)`` (bf16/fp16 params, stochastic or Kahan rounding), and for bf16/fp16
+    params with states kept at another width, the params, grads and every state step as fp32 temporaries instead: the rule's math in fp32, then each state stored in
     its format and each param rounded back by ``rounding``. ``entries(i)`` gives the state dict of the
     bucket's ``i``-th param, its index in the optimizer and the param itself (a DTensor where the bucket holds
     its local shard): the rounding keeps its own state there (``KAHAN``, ``RNG``), made on first use."""
@@ -339,10 +339,13 @@ def run_staged(run: Callable, bucket, *args, found_inf: Tensor | None = None, ro
         return
     from ..levels import Bucket
 
-    fp32 = rounds_in_fp32(bucket.params[0].dtype, rounding)
+    # 16-bit params step in fp32 where they are rounded by other means, or where a state is kept at another
+    # width than theirs (its values are not rounded to the param's dtype on the way: one rounding, at the end)
+    fp32 = bucket.params[0].dtype in LOW_PRECISION_PARAMS and (
+        rounding != "nearest" or needs_staging(bucket.params, bucket.states))
     params, grads = bucket.params, bucket.grads
     if fp32:
-        owners = [entries(i) for i in range(len(params))]
+        owners = [entries(i) if rounding != "nearest" else (None, None, p) for i, p in enumerate(params)]
         own = [rounding_state(entry, index, owner, rounding) for entry, index, owner in owners]
         params = [p.float() if rounding != "kahan" else p.float() + comp.float() for p, comp in zip(params, own)]
         grads = [g.float() for g in grads]
@@ -368,10 +371,12 @@ def run_staged(run: Callable, bucket, *args, found_inf: Tensor | None = None, ro
             round_into(p, new, state, rounding, owner)
 
 
-def rounding_state(entry: dict, index: int, param: Tensor, rounding: str) -> Tensor:
+def rounding_state(entry: dict | None, index: int | None, param: Tensor, rounding: str) -> Tensor | None:
     """The rounding's own state for ``param`` (Kahan: the compensation, zeros at first, sharded like the param;
     stochastic: [seed, draws], the seed fixed by the param's ``index``), made in ``entry`` on first use. Returns
     what the step works on (this rank's part)."""
+    if rounding == "nearest":
+        return None
     name = KAHAN if rounding == "kahan" else RNG
     value = entry.get(name)
     if value is None:
@@ -382,11 +387,12 @@ def rounding_state(entry: dict, index: int, param: Tensor, rounding: str) -> Ten
 
 
 def round_into(p: Tensor, new: Tensor, state: Tensor, rounding: str, param: Tensor) -> None:
-    """fp32 ``new`` into the 16-bit ``p`` (``param``, or this rank's part of it): Kahan keeps what rounding to
-    nearest lost; stochastic draws the step's bits from [seed, draws] and counts one draw."""
-    if rounding == "kahan":
-        p.copy_(new)
-        state.copy_(new - p.float())
+    """fp32 ``new`` into the 16-bit ``p`` (``param``, or this rank's part of it): to nearest; Kahan keeps what
+    rounding to nearest lost; stochastic draws the step's bits from [seed, draws] and counts one draw."""
+    if rounding != "stochastic":
+        p.copy_(new)  # to nearest
+        if rounding == "kahan":
+            state.copy_(new - p.float())
         return
     seed, draws = (int(v) for v in state.tolist())
     p.copy_(stochastic_round(new, _mix32((seed ^ _mix32(draws & _M32)) & _M32), element_index(param)))
