@@ -42,7 +42,7 @@ def is_dtensor(t) -> bool:
 
 # --- which path ran: tests of a fast path assert that it ran -------------------------------------------
 
-PATHS = ("loop", "foreach", "compiled", "triton", "torch_fused", "cpu_kernel")
+PATHS = ("loop", "foreach", "compiled", "triton", "triton_stored", "torch_fused", "cpu_kernel")
 _path_log: list[str] | None = None
 
 
@@ -176,8 +176,12 @@ def stored_level(impl: str, device: torch.device) -> Callable | None:
     (``storage.run_staged``), so a storage option no path declares can never be silently ignored."""
     if impl == "foreach" and device.type == "cpu" and ROUTING and ROUTE_FOREACH_ON_CPU:
         impl = "fused"
-    if impl in ("auto", "fused") and device.type == "cpu" and not uses_triton(device):
-        from . import fused
+    if impl not in ("auto", "fused"):
+        return None
+    from . import fused
+    if uses_triton(device):  # CUDA, or CPU tensors under TRITON_INTERPRET=1: the Triton kernel
+        return fused.run_stored_triton
+    if device.type == "cpu":
         return fused.run_stored
     return None
 

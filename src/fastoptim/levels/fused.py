@@ -10,6 +10,8 @@
   amortise a call each (flat buffers always are); otherwise the cache-blocked foreach level.
 * CPU, 16/8/4-bit state (``run_stored``): the rule's C++ twin loads, updates and stores the state in one
   pass (``cpu_kernels``); what it does not take runs staged, as on every other level.
+* CUDA (and the interpreter), 16/8/4-bit state (``run_stored_triton``): the Triton kernel of
+  ``triton_stored`` does the same in registers, one launch per bucket and state formats.
 """
 
 from __future__ import annotations
@@ -138,3 +140,26 @@ def run_stored(rule, bucket: Bucket, group: dict, step: int, scalars: tuple, fla
         took("cpu_kernel")
         torch.autograd.graph.increment_version(part.params)  # written in place, as torch's own kernels count
     return _subset(bucket, sorted(rest)) if rest else None
+
+
+def run_stored_triton(rule, bucket: Bucket, group: dict, step: int, scalars: tuple, flags: tuple, grad_mul=None,
+                      found_inf=None) -> Bucket | None:
+    """Step the params of ``bucket`` whose 16/8/4-bit state the Triton kernel loads and stores in registers
+    (found_inf read inside it); return the rest for the staged path, or None when nothing is left."""
+    from . import triton_stored
+
+    by_formats: dict[tuple, list[int]] = {}
+    rest = []
+    for i in range(len(bucket.params)):
+        formats = triton_stored.signature(bucket.params, bucket.grads, bucket.states, i)
+        (rest if formats is None else by_formats.setdefault(formats, [])).append(i)
+    tables = bucket.cache.setdefault("triton_stored_tables", {})
+    for formats, indices in by_formats.items():
+        part = bucket if len(indices) == len(bucket.params) else _subset(bucket, indices)
+        table = tables.get(formats)
+        if table is None:
+            table = tables[formats] = triton_stored.StoredTable()
+        triton_stored.run(rule.update, part.params, part.grads, part.states, formats, scalars, flags, table,
+                          grad_mul=grad_mul, found_inf=found_inf)
+        torch.autograd.graph.increment_version(part.params)  # written in place, as torch's own kernels count
+    return _subset(bucket, rest) if rest else None
