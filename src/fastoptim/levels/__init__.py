@@ -173,7 +173,12 @@ def stored_level(impl: str, device: torch.device) -> Callable | None:
     """The one place that says which path may see 16/8/4-bit state as it is stored: the run function that
     loads and stores it inside its own kernel for ``impl`` on ``device`` (it returns the part of the bucket
     it leaves), or None. Every other path, torch's own fused kernels among them, gets plain temporaries
-    (``storage.run_staged``), so a storage option no path declares can never be silently ignored."""
+    (``storage.run_staged``), so a storage option no path declares can never be silently ignored.
+
+    Declared: the fused level (and "auto"; and foreach where it runs the fused level's path) with fp32
+    params whose active states are all bf16, or all 8-bit, or all 4-bit (``QuantizedState``, not sharded):
+    on CUDA and under ``TRITON_INTERPRET=1`` the Triton kernel (``triton_stored``), on the CPU otherwise the
+    C++ kernel (``cpu_kernels``). bf16/fp16 params, strided tensors and sharded state run staged."""
     if impl == "foreach" and device.type == "cpu" and ROUTING and ROUTE_FOREACH_ON_CPU:
         impl = "fused"
     if impl not in ("auto", "fused"):

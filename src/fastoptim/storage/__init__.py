@@ -13,7 +13,8 @@ each state is loaded into a temporary of the param's dtype (upcast, or dequantiz
 temporaries exactly as it steps plain state, and each is stored back (rounded to nearest, or quantized).
 So every level, and torch's own fused kernels, give the numbers of the same math on the stored values.
 A level that loads and stores inside its own kernel says so in one place (``levels.stored_level``: today the
-fused level on the CPU, ``levels.cpu_kernels``) and skips the temporaries for the params it takes.
+fused level, on the CPU with ``levels.cpu_kernels`` and on CUDA with ``levels.triton_stored``) and skips the
+temporaries for the params it takes.
 """
 
 from __future__ import annotations
