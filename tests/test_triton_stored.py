@@ -14,6 +14,7 @@ Two oracles, every step, every test asserting through ``record_paths`` that the 
 """
 
 import re
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -21,7 +22,7 @@ import torch
 pytest.importorskip("triton")
 
 import fastoptim  # noqa: E402
-from fastoptim import storage  # noqa: E402
+from fastoptim import levels, storage  # noqa: E402
 from fastoptim.storage import quant  # noqa: E402
 from fastoptim.levels import record_paths  # noqa: E402
 from fastoptim.levels import triton_stored as ts  # noqa: E402
@@ -61,13 +62,14 @@ def _stored_bytes(opt, params):
     return out
 
 
-def _assert_same_stored(ours, base, ours_p, base_p, where):
+def _assert_same_stored(ours, base, ours_p, base_p, where, fp32_params=True):
     """Against the loop level run staged beside the kernel: params within the fp32 tolerance; stored states
     the same bytes but for values that land on the other side of a rounding boundary because the loop
     level's torch ops (its CPU ``sqrt``) rounded an ulp away: those may be one bf16 ulp or one code apart,
     in at most 1% of the elements."""
     for i, (a, b) in enumerate(zip(ours_p, base_p)):
-        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5, msg=lambda m: f"{where}, param {i}: {m}")
+        if fp32_params:
+            torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5, msg=lambda m: f"{where}, param {i}: {m}")
         for name, value in base.state[b].items():
             got, at = ours.state[a][name], f"{where}, param {i}, {name}"
             if isinstance(value, storage.QuantizedState):
@@ -379,3 +381,98 @@ def _branches(ptx: str) -> tuple[str, str]:
     vectors = [i for i, line in enumerate(lines) if re.search(r"\.global(\.\w+)*\.v4\.", line)]
     assert vectors and max(vectors) < first_div, "the hinted branch does not come first"
     return "\n".join(lines[:first_div]), "\n".join(lines[first_div:])
+
+
+# --- bf16 params rounded stochastically in the kernel ------------------------------------------------------
+
+@contextmanager
+def _staged():
+    """The fused level with no stored-state path declared: every non-plain bucket runs staged (the plain
+    Triton kernel on fp32 temporaries, the same IEEE arithmetic as the stored kernel, then torch's codec and
+    ``storage.stochastic_round``)."""
+    real = levels.stored_level
+    levels.stored_level = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        levels.stored_level = real
+
+
+@pytest.mark.parametrize("bits", (32, 16, 8, 4))
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_stochastic_rounding_in_the_kernel_draws_the_staged_paths_bits(interpret, name, bits):
+    """bf16 params with rounding="stochastic": the kernel adds the bits ``storage.stochastic_round`` draws
+    (mix32 of each element's index plus the step's key) on the fp32 pattern. Against the staged path of the
+    same level (the same IEEE fp32 math, then torch's rounding and codec): every param, state and random
+    stream the same bytes. Against the staged loop level: streams equal, params one bf16 ulp apart in at most
+    1% of the elements (an fp32 value an ulp away, from torch's CPU sqrt, can cross the drawn threshold). A
+    1-D param keeps plain (bf16) state at 8/4 bits: a second launch, of its own formats."""
+    spec = OPTIMIZERS[name]
+    options = dict(spec.option_sets[1])
+    if bits in (8, 4) and spec.cls.rule.refuses_quantized_state({**spec.cls.rule.defaults, **options}):
+        options = dict(spec.option_sets[0])
+    g = torch.Generator().manual_seed(8)
+    ours_p = [torch.nn.Parameter(torch.randn(s, generator=g).bfloat16()) for s in [(3, 512), (9, 131), (40,)]]
+    staged_p, loop_p = _clone(ours_p), _clone(ours_p)
+    low = dict(state_bits=bits, min_quant_size=0, rounding="stochastic")
+    ours = spec.cls(ours_p, impl="fused", **low, **options)
+    staged = spec.cls(staged_p, impl="fused", **low, **options)
+    loop = spec.cls(loop_p, impl="loop", **low, **options)
+    for step in range(1, 4):
+        for a, b, c in zip(ours_p, staged_p, loop_p):
+            a.grad = torch.randn(a.shape, generator=g).bfloat16()
+            b.grad, c.grad = a.grad.clone(), a.grad.clone()
+        with record_paths() as paths:
+            ours.step()
+        with _staged(), record_paths() as staged_paths:
+            staged.step()
+        loop.step()
+        assert paths and set(paths) == {"triton_stored"}, paths
+        assert "triton_stored" not in staged_paths, staged_paths
+        for i, (a, b, c) in enumerate(zip(ours_p, staged_p, loop_p)):
+            where = f"step {step}, param {i}"
+            assert a.dtype == torch.bfloat16 and torch.equal(a, b), where
+            assert ours.state[a][storage.RNG].tolist() == [storage.rounding_seed(i), step]
+            assert torch.equal(ours.state[a][storage.RNG], loop.state[c][storage.RNG])
+            for state_name, value in staged.state[b].items():
+                if isinstance(value, (torch.Tensor, storage.QuantizedState)):
+                    _assert_stored_equal(ours.state[a][state_name], value, f"{where}, {state_name}")
+                else:
+                    assert ours.state[a][state_name] == value, f"{where}, {state_name}"
+            _assert_nearly_all_equal(a.view(torch.int16).int(), c.view(torch.int16).int(), where)
+        _assert_same_stored(ours, loop, ours_p, loop_p, f"step {step}", fp32_params=False)
+
+
+def test_stochastic_rounding_skips_a_grad_scaler_step_without_a_draw(interpret):
+    ours_p = [torch.nn.Parameter(torch.randn(4, 256).bfloat16())]
+    opt = fastoptim.AdamW(ours_p, impl="fused", state_bits=8, min_quant_size=0, rounding="stochastic")
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    for step in range(1, 4):
+        scale = scaler.scale(torch.ones(()))
+        ours_p[0].grad = (torch.randn(4, 256) * scale).bfloat16()
+        if step == 2:
+            ours_p[0].grad[0, 0] = float("inf")
+        before = _stored_bytes(opt, ours_p)
+        with record_paths() as paths:
+            scaler.step(opt)
+        scaler.update()
+        assert paths == ["triton_stored"] or step == 2 and paths == [], paths
+        if step == 2:
+            assert all(torch.equal(a, b) for a, b in zip(before, _stored_bytes(opt, ours_p)))
+    assert opt.state[ours_p[0]][storage.RNG].tolist()[1] == 2  # three steps, one skipped
+
+
+@pytest.mark.parametrize("capability", [80, 90])
+@pytest.mark.parametrize("bits", (16, 8, 4))
+def test_stochastic_rounding_kernel_compiles_with_vector_access_and_no_float_rounding(bits, capability):
+    """bf16 params and grads: two 128-bit vectors per thread and tile each (16 elements); the rounding is
+    integer arithmetic on the bits: no conversion to bf16 anywhere."""
+    rule = OPTIMIZERS["adamw"].cls.rule
+    group = dict(rule.defaults)
+    formats = _formats(rule, group, bits)
+    ptx = ts.compile_for_gpu(rule, group, formats, capability, stochastic=True).asm["ptx"]
+    state_v4 = {16: 2 * 2, 8: 2, 4: 0}[bits]
+    assert _count(ptx, r"ld\.global(\.\w+)*\.v4\.b32") == 2 + 2 + state_v4
+    assert _count(ptx, r"st\.global(\.\w+)*\.v4\.b32") == 2 + state_v4
+    assert _count(ptx, r"\bcvt(\.\w+)*\.bf16(x2)?\.f32\b") == 0
+    assert _count(ptx, r"\bmul\.lo\.s32\b|\bmul\.lo\.u32\b") > 0  # the hash's multiplies

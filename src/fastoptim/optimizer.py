@@ -264,14 +264,15 @@ class FastOptimizer(torch.optim.Optimizer):
                 continue
             # 16/8/4-bit state: loaded and stored in the kernel where the level can; the rest, and 16-bit
             # params rounded stochastically or with Kahan, through fp32 temporaries (``storage.run_staged``)
-            stored = None if rounded else levels.stored_level(self.impl, level_bucket.device)
+            entries = lambda i, owners=bucket.owners: (self._state[owners[i]], self._param_index(owners[i]))  # noqa: E731
+            stored = levels.stored_level(self.impl, level_bucket.device, rounding if rounded else "nearest")
             if stored is not None:
-                level_bucket = stored(rule, level_bucket, *args, **extra)
+                rounds = {"rounding": rounding, "entries": entries} if rounded else {}
+                level_bucket = stored(rule, level_bucket, *args, **extra, **rounds)
                 if level_bucket is None:
                     continue
-            storage.run_staged(lambda b: run(rule, b, *args), level_bucket, rounding=rounding,
-                               entries=lambda i, owners=bucket.owners: (self._state[owners[i]],
-                                                                        self._param_index(owners[i])), **extra)
+            storage.run_staged(lambda b: run(rule, b, *args), level_bucket, rounding=rounding, entries=entries,
+                               **extra)
 
     def _grad_mul(self, work: list) -> Tensor | None:
         """What the update multiplies the grads by: GradScaler's 1/scale (as GradScaler.unscale_ computes it),

@@ -68,10 +68,14 @@ def kernel_format(state, p: Tensor) -> Format | None:
     return None
 
 
-def signature(params: Sequence[Tensor], grads: Sequence[Tensor], states: Sequence[list | None], i: int):
-    """The state formats of param ``i`` when the kernel takes it whole, else None."""
+def signature(params: Sequence[Tensor], grads: Sequence[Tensor], states: Sequence[list | None], i: int,
+              stochastic: bool = False):
+    """The state formats of param ``i`` when the kernel takes it whole, else None. fp32 params and grads; with
+    ``stochastic``, bf16 ones (rounded back stochastically), whose plain states are bf16 too: they step through
+    fp32 and are stored rounded to nearest, exactly the 16-bit format."""
     p, g = params[i], grads[i]
-    if is_dtensor(p) or is_dtensor(g) or p.dtype != torch.float32 or g.dtype != torch.float32:
+    dtype = torch.bfloat16 if stochastic else torch.float32
+    if is_dtensor(p) or is_dtensor(g) or p.dtype != dtype or g.dtype != dtype:
         return None
     if not (p.is_contiguous() and g.is_contiguous()) or p.numel() == 0 or g.shape != p.shape:
         return None
@@ -91,8 +95,8 @@ def signature(params: Sequence[Tensor], grads: Sequence[Tensor], states: Sequenc
 # --- the generated kernel ---------------------------------------------------------------------------
 
 _TEMPLATE = '''
-def {name}(table, work, grad_mul, found_inf, scalars, {map_args}{scalar_args}
-           TB: tl.constexpr, QB: tl.constexpr, CHUNK_TILES: tl.constexpr,
+def {name}(table, work, grad_mul, found_inf, scalars, keys, {map_args}{scalar_args}
+           TB: tl.constexpr, QB: tl.constexpr, CHUNK_TILES: tl.constexpr, STOCHASTIC: tl.constexpr,
            HAS_GRAD_MUL: tl.constexpr, HAS_INF: tl.constexpr, SCALARS_IN_MEMORY: tl.constexpr, {flag_args}):
     if SCALARS_IN_MEMORY:  # tensor-valued hyper-parameters: read on the device, never synced to the host
 {scalar_loads}
@@ -111,6 +115,9 @@ def {name}(table, work, grad_mul, found_inf, scalars, {map_args}{scalar_args}
     g_mul = 1.0
     if HAS_GRAD_MUL:
         g_mul = tl.load(grad_mul)
+    key = 0
+    if STOCHASTIC:  # this step's key of the param's random stream (``storage.rounding_key``)
+        key = tl.load(keys + tensor)
     tile = tl.arange(0, TB)
     k = tl.arange(0, QB)
     if whole != 0:  # rows of whole blocks, aligned: the tile is one contiguous run; pointers loaded here so
@@ -136,12 +143,13 @@ def {name}(table, work, grad_mul, found_inf, scalars, {map_args}{scalar_args}
 '''
 
 
-def _ptrs(formats: Sequence[Format | None], hinted: bool) -> str:
+def _ptrs(formats: Sequence[Format | None], hinted: bool, stochastic: bool) -> str:
     def ptr(col: int, kind: str) -> str:
         text = f"tl.load(row + {col}).to(tl.pointer_type({kind}))"
         return f"tl.multiple_of({text}, {ALIGN})" if hinted else text
 
-    lines = [f"p_ptr = {ptr(4, 'tl.float32')}", f"g_ptr = {ptr(5, 'tl.float32')}"]
+    value = "tl.int16" if stochastic else "tl.float32"  # bf16 params: their bits
+    lines = [f"p_ptr = {ptr(4, value)}", f"g_ptr = {ptr(5, value)}"]
     col = 6
     for i, fmt in enumerate(formats):
         if fmt is None:
@@ -201,7 +209,25 @@ def _store_state(i: int, fmt: Format, out: str) -> list[str]:
     return lines
 
 
-def _body(formats: Sequence[Format | None], n_scalars: int, n_flags: int, whole: bool) -> str:
+def _store_param(stochastic: bool) -> list[str]:
+    if not stochastic:
+        return ["tl.store(p_ptr + offs, out[0], mask=mask)"]
+    # ``storage.stochastic_round``: 16 bits of mix32(index + key) added to the fp32 pattern's low half, which
+    # is then dropped (integer operations, so the GPU and the interpreter agree); NaN and inf to nearest
+    return ["p_bits = out[0].to(tl.uint32, bitcast=True)",
+            "h = (offs + key).to(tl.uint32)",
+            "h = h ^ (h >> 16)",
+            "h = h * 0x7FEB352D",
+            "h = h ^ (h >> 15)",
+            "h = h * 0x846CA68B",
+            "h = h ^ (h >> 16)",
+            "p_up = (p_bits + (h >> 16)) >> 16",
+            "p_near = tl.where(out[0] != out[0], 0x7FC0, (p_bits + 0x7FFF + ((p_bits >> 16) & 1)) >> 16)",
+            "p_new = tl.where((p_bits & 0x7F800000) == 0x7F800000, p_near, p_up)",
+            "tl.store(p_ptr + offs, p_new.to(tl.int16), mask=mask)"]
+
+
+def _body(formats: Sequence[Format | None], n_scalars: int, n_flags: int, whole: bool, stochastic: bool) -> str:
     lines = []
     if any(f is not None and f.bits == 4 for f in formats):
         kb = "tl.arange(0, QB // 2)"
@@ -211,9 +237,13 @@ def _body(formats: Sequence[Format | None], n_scalars: int, n_flags: int, whole:
         else:
             lines += [f"byte_offs = (r * ((length + 1) // 2) + j * (QB // 2))[:, None] + {kb}[None, :]",
                       f"byte_mask = block_mask[:, None] & ({kb}[None, :] < ((n_in + 1) // 2)[:, None])"]
-    lines += ["p = tl.load(p_ptr + offs, mask=mask, other=0.0)",
-              "g = tl.load(g_ptr + offs, mask=mask, other=0.0)",
-              "if HAS_GRAD_MUL:",
+    if stochastic:  # bf16 bits widened exactly
+        lines += [f"{x} = (tl.load({x}_ptr + offs, mask=mask, other=0).to(tl.int32) << 16).to(tl.float32, bitcast=True)"
+                  for x in ("p", "g")]
+    else:
+        lines += ["p = tl.load(p_ptr + offs, mask=mask, other=0.0)",
+                  "g = tl.load(g_ptr + offs, mask=mask, other=0.0)"]
+    lines += ["if HAS_GRAD_MUL:",
               "    g = g * g_mul"]
     args = []
     for i, fmt in enumerate(formats):
@@ -224,7 +254,7 @@ def _body(formats: Sequence[Format | None], n_scalars: int, n_flags: int, whole:
         args.append(f"s{i}")
     args += [f"c{i}" for i in range(n_scalars)] + [f"F{i}" for i in range(n_flags)]
     lines.append(f"out = UPDATE(p, g, {', '.join(args)})")
-    lines.append("tl.store(p_ptr + offs, out[0], mask=mask)")
+    lines += _store_param(stochastic)
     for i, fmt in enumerate(formats):
         if fmt is not None:
             lines += _store_state(i, fmt, f"out[{i + 1}]")
@@ -238,10 +268,12 @@ def row_length(formats: Sequence[Format | None]) -> int:
 
 
 @lru_cache(maxsize=None)
-def kernel_for(update: Callable, formats: tuple, n_scalars: int, n_flags: int, interpret: bool = False):
-    """The kernel for one rule and one tuple of state formats (None: inactive)."""
+def kernel_for(update: Callable, formats: tuple, n_scalars: int, n_flags: int, interpret: bool = False,
+               stochastic: bool = False):
+    """The kernel for one rule and one tuple of state formats (None: inactive); ``stochastic``: bf16 params
+    rounded stochastically."""
     tag = "_".join("x" if f is None else f.tag.replace("/", "b") for f in formats)
-    name = f"{update.__name__}_stored_{tag}"
+    name = f"{update.__name__}_stored_{tag}" + ("_bf16_stochastic" if stochastic else "")
     maps = [i for i, f in enumerate(formats) if f is not None and f.quantized]
     source = _TEMPLATE.format(
         name=name,
@@ -250,9 +282,9 @@ def kernel_for(update: Callable, formats: tuple, n_scalars: int, n_flags: int, i
         scalar_loads="\n".join(f"        c{i} = tl.load(scalars + {i})" for i in range(n_scalars)) or "        pass",
         flag_args=", ".join(f"F{i}: tl.constexpr" for i in range(n_flags)),
         row_len=row_length(formats),
-        whole_ptrs=_ptrs(formats, True), ragged_ptrs=_ptrs(formats, False),
-        whole_body=_body(formats, n_scalars, n_flags, True),
-        ragged_body=_body(formats, n_scalars, n_flags, False),
+        whole_ptrs=_ptrs(formats, True, stochastic), ragged_ptrs=_ptrs(formats, False, stochastic),
+        whole_body=_body(formats, n_scalars, n_flags, True, stochastic),
+        ragged_body=_body(formats, n_scalars, n_flags, False, stochastic),
     )
     globs = {"tl": tl, "triton": triton, "UPDATE": triton_twin(update, interpret)}
     fn = _exec_source(source, f"<fastoptim-kernel {name}>", name, globs)
@@ -322,10 +354,12 @@ def _maps(qmap: quant.QuantMap, device: torch.device) -> tuple[Tensor, Tensor]:
 
 def run(update: Callable, params: list[Tensor], grads: list[Tensor], states: list[list | None], formats: tuple,
         scalars: tuple, flags: tuple, table: StoredTable, grad_mul: Tensor | None = None,
-        found_inf: Tensor | None = None) -> None:
-    """One launch over params that all have state ``formats`` (see ``signature``)."""
+        found_inf: Tensor | None = None, rounding_keys: Tensor | None = None) -> None:
+    """One launch over params that all have state ``formats`` (see ``signature``). ``rounding_keys``: bf16
+    params rounded stochastically, one key per param (``storage.rounding_keys``)."""
     bits = next(f.bits for f in formats if f is not None)
-    kernel = kernel_for(update, formats, len(scalars), len(flags), interpreting())
+    stochastic = rounding_keys is not None
+    kernel = kernel_for(update, formats, len(scalars), len(flags), interpreting(), stochastic)
     table.update(params, grads, states, formats)
     device = params[0].device
     maps = []
@@ -338,9 +372,10 @@ def run(update: Callable, params: list[Tensor], grads: list[Tensor], states: lis
     took("triton_stored")
     kernel[(table.n_programs,)](
         table.table, table.work, grad_mul if grad_mul is not None else dummy,
-        found_inf if found_inf is not None else dummy, packed, *maps,
+        found_inf if found_inf is not None else dummy, packed,
+        rounding_keys.to(device, non_blocking=True) if stochastic else dummy, *maps,
         *[0.0 if in_memory else float(c) for c in scalars],
-        TB=tile_blocks(bits), QB=block_of(bits), CHUNK_TILES=CHUNK_TILES,
+        TB=tile_blocks(bits), QB=block_of(bits), CHUNK_TILES=CHUNK_TILES, STOCHASTIC=stochastic,
         HAS_GRAD_MUL=grad_mul is not None, HAS_INF=found_inf is not None, SCALARS_IN_MEMORY=in_memory,
         **{f"F{i}": bool(f) for i, f in enumerate(flags)}, num_warps=NUM_WARPS, enable_fp_fusion=False)
 
@@ -348,7 +383,7 @@ def run(update: Callable, params: list[Tensor], grads: list[Tensor], states: lis
 # --- ahead-of-time compile ---------------------------------------------------------------------------
 
 def compile_for_gpu(rule, group: dict, formats: tuple, capability: int = 90, grad_mul: bool = False,
-                    found_inf: bool = False):
+                    found_inf: bool = False, stochastic: bool = False):
     """Compile the rule's stored-state kernel for ``sm_<capability>`` (PTX and cubin) on any machine."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -356,13 +391,15 @@ def compile_for_gpu(rule, group: dict, formats: tuple, capability: int = 90, gra
     flags = rule.flags(group)
     n_scalars = len(rule.scalars(group, 1))
     bits = next(f.bits for f in formats if f is not None)
-    kernel = kernel_for(rule.update, formats, n_scalars, len(flags), False)
-    signature = {"table": "*i64", "work": "*i64", "grad_mul": "*fp32", "found_inf": "*fp32", "scalars": "*fp32"}
+    kernel = kernel_for(rule.update, formats, n_scalars, len(flags), False, stochastic)
+    signature = {"table": "*i64", "work": "*i64", "grad_mul": "*fp32", "found_inf": "*fp32", "scalars": "*fp32",
+                 "keys": "*i64"}
     for i, fmt in enumerate(formats):
         if fmt is not None and fmt.quantized:
             signature.update({f"s{i}_map": "*fp32", f"s{i}_lut": "*i32"})
     signature.update({f"c{i}": "fp32" for i in range(n_scalars)})
-    constants = dict(TB=tile_blocks(bits), QB=block_of(bits), CHUNK_TILES=CHUNK_TILES, HAS_GRAD_MUL=grad_mul,
+    constants = dict(TB=tile_blocks(bits), QB=block_of(bits), CHUNK_TILES=CHUNK_TILES, STOCHASTIC=stochastic,
+                     HAS_GRAD_MUL=grad_mul,
                      HAS_INF=found_inf, SCALARS_IN_MEMORY=False, **{f"F{i}": bool(f) for i, f in enumerate(flags)})
     signature.update({name: "constexpr" for name in constants})
     return triton.compile(ASTSource(kernel, signature, constexprs=constants),

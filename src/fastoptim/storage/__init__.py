@@ -359,6 +359,21 @@ def rounding_state(entry: dict, index: int, p: Tensor, rounding: str) -> Tensor:
     return value
 
 
+def rounding_key(state: Tensor) -> int:
+    """This step's key of a stochastic rounding stream [seed, draws]: what ``stochastic_round`` adds to each
+    element's index."""
+    seed, draws = (int(v) for v in state.tolist())
+    return _mix32((seed ^ _mix32(draws & _M32)) & _M32)
+
+
+def rounding_keys(states: list[Tensor]) -> Tensor:
+    """``rounding_key`` of each stream, as one int64 CPU tensor (for a kernel)."""
+    if not states:
+        return torch.zeros(0, dtype=torch.int64)
+    streams = torch.stack([s.to(device="cpu", dtype=torch.int64) for s in states])
+    return _mix32((streams[:, 0] ^ _mix32(streams[:, 1] & _M32)) & _M32)
+
+
 def round_into(p: Tensor, new: Tensor, state: Tensor, rounding: str) -> None:
     """fp32 ``new`` into the 16-bit param ``p``: Kahan keeps what rounding to nearest lost; stochastic draws
     the step's bits from [seed, draws] and counts one draw."""
@@ -366,8 +381,7 @@ def round_into(p: Tensor, new: Tensor, state: Tensor, rounding: str) -> None:
         p.copy_(new)
         state.copy_(new - p.float())
         return
-    seed, draws = (int(v) for v in state.tolist())
-    p.copy_(stochastic_round(new, _mix32((seed ^ _mix32(draws & _M32)) & _M32)))
+    p.copy_(stochastic_round(new, rounding_key(state)))
     state[1] += 1
 
 
