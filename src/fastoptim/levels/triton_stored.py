@@ -18,10 +18,19 @@ Where ``triton_kernels`` steps plain state, this kernel steps fp32 params whose 
   alignment hints (vector loads and stores of codes, params and grads); any other tensor (ragged rows,
   odd addresses) the masked branch with per-block offsets, so no tensor the formats allow is refused;
 * ``grad_mul`` and ``found_inf`` are read inside the kernel, as in ``triton_kernels``: a step GradScaler
-  skips stores nothing.
+  skips stores nothing;
+* bf16 params with ``rounding="stochastic"`` (``STOCHASTIC``): loaded as bits, stepped in fp32, rounded back
+  with the bits ``storage.stochastic_round`` draws (16 bits of mix32(element index + the step's key) added
+  to the fp32 pattern, the low half dropped), in integer operations, so the params are the staged path's
+  bit for bit.
 
-What it takes (``signature``): fp32 contiguous params and grads of one shape, every active state bf16 or
-a ``QuantizedState`` (not sharded), all of one width. The rest runs staged (``storage.run_staged``).
+What it takes (``signature``): contiguous params and grads of one shape, fp32 (bf16 when rounded
+stochastically), every active state bf16 or a ``QuantizedState`` (not sharded), all of one width. The rest
+runs staged (``storage.run_staged``).
+
+HBM traffic per param, on paper (the whole-rows branch; the map and the encoder's table are gathered
+from L1/L2): AdamW fp32 params, 8-bit states: p 4 + 4, g 4, two codes 1 + 1 each, absmax 2 x (4 + 4) / 256:
+16.06 B (28 B at 32-bit state, 20 B at 16-bit, 14.1 B at 4-bit).
 """
 
 from __future__ import annotations
@@ -232,14 +241,15 @@ def _body(formats: Sequence[Format | None], n_scalars: int, n_flags: int, whole:
     if any(f is not None and f.bits == 4 for f in formats):
         kb = "tl.arange(0, QB // 2)"
         if whole:
-            lines += [f"byte_offs = tl.multiple_of(b0 * (QB // 2), QB // 2) + tile[:, None] * (QB // 2) + {kb}[None, :]",
+            lines += ["byte_offs = tl.multiple_of(b0 * (QB // 2), QB // 2) + tile[:, None] * (QB // 2)"
+                      f" + {kb}[None, :]",
                       "byte_mask = block_mask[:, None]"]
         else:
             lines += [f"byte_offs = (r * ((length + 1) // 2) + j * (QB // 2))[:, None] + {kb}[None, :]",
                       f"byte_mask = block_mask[:, None] & ({kb}[None, :] < ((n_in + 1) // 2)[:, None])"]
     if stochastic:  # bf16 bits widened exactly
-        lines += [f"{x} = (tl.load({x}_ptr + offs, mask=mask, other=0).to(tl.int32) << 16).to(tl.float32, bitcast=True)"
-                  for x in ("p", "g")]
+        lines += [f"{x} = (tl.load({x}_ptr + offs, mask=mask, other=0).to(tl.int32) << 16)"
+                  f".to(tl.float32, bitcast=True)" for x in ("p", "g")]
     else:
         lines += ["p = tl.load(p_ptr + offs, mask=mask, other=0.0)",
                   "g = tl.load(g_ptr + offs, mask=mask, other=0.0)"]
