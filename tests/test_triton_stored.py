@@ -497,3 +497,75 @@ def test_stochastic_rounding_kernel_compiles_with_vector_access_and_no_float_rou
     nearest = ts.compile_for_gpu(rule, group, formats, capability).asm["ptx"]
     assert _count(ptx, r"\bshr\.s32\b") == _count(nearest, r"\bshr\.s32\b")
     assert _count(ptx, r"\bshr\.u32\b") > _count(nearest, r"\bshr\.u32\b")
+
+
+@pytest.mark.parametrize("bits", (16, 8, 4))
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_tensor_hyperparameters_are_read_from_memory_by_the_kernel(interpret, name, bits):
+    """Hyper-parameters held as 0-d tensors and written in place each step (a device-side schedule): the
+    kernel reads them from memory and stores what it stores with Python floats."""
+    from test_levels_extra import TENSOR_HYPER, _as_tensors
+
+    spec = OPTIMIZERS[name]
+    options = dict(spec.option_sets[1])
+    if name in ("sgd", "rmsprop"):
+        options["momentum"] = 0.9
+    runs = []
+    for as_tensor in (False, True):
+        params, g = _params(9, [(4, 256), (3, 100)])
+        opt = spec.cls(params, impl="fused", state_bits=bits, min_quant_size=0, **options)
+        if as_tensor:
+            _as_tensors(opt.param_groups[0], TENSOR_HYPER[name])
+        for step in range(1, 4):
+            lr = options["lr"] * (1 + 0.1 * step)
+            if as_tensor:
+                opt.param_groups[0]["lr"].fill_(lr)
+            else:
+                opt.param_groups[0]["lr"] = lr
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=g)
+            with record_paths() as paths:
+                opt.step()
+            assert paths == ["triton_stored"], paths
+        runs.append((opt, params))
+    (floats, float_p), (tensors, tensor_p) = runs
+    # scalars derived from tensors are computed in fp32 (from floats: in fp64, then rounded): an ulp apart
+    _assert_same_stored(tensors, floats, tensor_p, float_p, "tensors vs floats")
+
+
+@pytest.mark.parametrize("bits", (16, 8, 4))
+def test_nan_and_inf_grads_store_what_the_staged_path_stores(interpret, bits):
+    """A NaN and an inf in the grads (no GradScaler to skip them): params, states and absmax come out as the
+    staged path of the same level stores them, NaN where it has NaN. (Which NaN is not compared: torch's CPU
+    conversion makes every NaN 0xFFFF in bf16, CUDA's 0x7FFF, the kernel 0x7FC0; and a block holding a NaN has
+    a NaN absmax, so its codes mean nothing: they are compared through the values they decode to.)"""
+    ours_p, g = _params(10, [(2, 300), (3, 256)])
+    staged_p = _clone(ours_p)
+    ours = fastoptim.Adam(ours_p, impl="fused", state_bits=bits, min_quant_size=0)
+    staged = fastoptim.Adam(staged_p, impl="fused", state_bits=bits, min_quant_size=0)
+    same = dict(atol=0, rtol=0, equal_nan=True)
+    for step in range(1, 3):
+        for a, b in zip(ours_p, staged_p):
+            a.grad = torch.randn(a.shape, generator=g)
+            if step == 2:
+                a.grad[0, 3], a.grad[1, 280 % a.shape[1]] = float("nan"), float("inf")
+            b.grad = a.grad.clone()
+        with record_paths() as paths:
+            ours.step()
+        with _staged():
+            staged.step()
+        assert paths == ["triton_stored"]
+        for a, b in zip(ours_p, staged_p):
+            torch.testing.assert_close(a, b, **same)
+            for name in ("exp_avg", "exp_avg_sq"):
+                x, y = ours.state[a][name], staged.state[b][name]
+                if isinstance(y, storage.QuantizedState):
+                    torch.testing.assert_close(x.absmax, y.absmax, **same)
+                    torch.testing.assert_close(x.dequantize(), y.dequantize(), **same)
+                    finite = torch.isfinite(y.absmax).repeat_interleave(y.fmt.block, dim=1)
+                    codes_x, codes_y = _codes(x), _codes(y)
+                    finite = finite[:, :codes_y.shape[1]]
+                    assert torch.equal(codes_x[finite], codes_y[finite]), name
+                else:
+                    torch.testing.assert_close(x, y, **same)
+    assert ours_p[0].isnan().any()  # the NaN really went through

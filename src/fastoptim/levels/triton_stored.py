@@ -188,7 +188,7 @@ def _load_state(i: int, fmt: Format, whole: bool) -> list[str]:
 
 
 def _store_state(i: int, fmt: Format, out: str) -> list[str]:
-    if fmt.bits == 16:  # round to nearest even on the bits, as torch does; NaN becomes its quiet NaN
+    if fmt.bits == 16:  # round to nearest even on the bits, as torch does; a NaN is stored as 0x7FC0
         return [f"s{i}_bits = {out}.to(tl.int32, bitcast=True)",
                 f"s{i}_bf16 = (s{i}_bits + 0x7FFF + ((s{i}_bits >> 16) & 1)) >> 16",
                 f"s{i}_bf16 = tl.where({out} != {out}, 0x7FC0, s{i}_bf16)",
