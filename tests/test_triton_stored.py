@@ -284,7 +284,9 @@ def test_the_table_is_rebuilt_only_when_an_address_changes(interpret):
     opt = fastoptim.AdamW(params, impl="fused", state_bits=8, min_quant_size=0)
     for step in range(3):
         params[0].grad = torch.randn(4, 256, generator=g) if step != 1 else params[0].grad
-        opt.step()
+        with record_paths() as paths:
+            opt.step()
+        assert paths == ["triton_stored"]
         tables = next(c for c in opt._bucket_caches.values() if "triton_stored_tables" in c)["triton_stored_tables"]
         (table,) = tables.values()
         if step == 0:
