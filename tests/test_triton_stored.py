@@ -66,11 +66,14 @@ def _assert_same_stored(ours, base, ours_p, base_p, where, fp32_params=True):
     """Against the loop level run staged beside the kernel: params within the fp32 tolerance; stored states
     the same bytes but for values that land on the other side of a rounding boundary because the loop
     level's torch ops (its CPU ``sqrt``) rounded an ulp away: those may be one bf16 ulp or one code apart,
-    in at most 1% of the elements."""
+    in at most 1% of the elements. (Kahan's compensation is the rounding residue of the fp32 param, which an
+    fp32 ulp changes by far more than a bf16 ulp of itself: the caller compares param plus compensation.)"""
     for i, (a, b) in enumerate(zip(ours_p, base_p)):
         if fp32_params:
             torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5, msg=lambda m: f"{where}, param {i}: {m}")
         for name, value in base.state[b].items():
+            if name == storage.KAHAN:
+                continue
             got, at = ours.state[a][name], f"{where}, param {i}, {name}"
             if isinstance(value, storage.QuantizedState):
                 torch.testing.assert_close(got.absmax, value.absmax, atol=0, rtol=1e-5,
@@ -416,15 +419,17 @@ def _staged():
         levels.stored_level = real
 
 
+@pytest.mark.parametrize("rounding", ("stochastic", "kahan"))
 @pytest.mark.parametrize("bits", (32, 16, 8, 4))
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
-def test_stochastic_rounding_in_the_kernel_draws_the_staged_paths_bits(interpret, name, bits):
+def test_bf16_params_rounded_in_the_kernel_as_the_staged_path_rounds_them(interpret, name, bits, rounding):
     """bf16 params with rounding="stochastic": the kernel adds the bits ``storage.stochastic_round`` draws
-    (mix32 of each element's index plus the step's key) on the fp32 pattern. Against the staged path of the
-    same level (the same IEEE fp32 math, then torch's rounding and codec): every param, state and random
-    stream the same bytes. Against the staged loop level: streams equal, params one bf16 ulp apart in at most
-    1% of the elements (an fp32 value an ulp away, from torch's CPU sqrt, can cross the drawn threshold). A
-    1-D param keeps plain (bf16) state at 8/4 bits: a second launch, of its own formats."""
+    (mix32 of each element's index plus the step's key) on the fp32 pattern; with "kahan" it steps the param
+    plus its compensation and stores the param rounded to nearest and what that lost. Against the staged
+    path of the same level (the same IEEE fp32 math, then torch's rounding and codec): every param, state,
+    compensation and random stream the same bytes. Against the staged loop level: params one bf16 ulp apart
+    in at most 1% of the elements (an fp32 value an ulp away, from torch's CPU sqrt, can cross a rounding
+    threshold). A 1-D param keeps plain (bf16) state at 8/4 bits: a second launch, of its own formats."""
     spec = OPTIMIZERS[name]
     options = dict(spec.option_sets[1])
     if bits in (8, 4) and spec.cls.rule.refuses_quantized_state({**spec.cls.rule.defaults, **options}):
@@ -432,7 +437,7 @@ def test_stochastic_rounding_in_the_kernel_draws_the_staged_paths_bits(interpret
     g = torch.Generator().manual_seed(8)
     ours_p = [torch.nn.Parameter(torch.randn(s, generator=g).bfloat16()) for s in [(3, 512), (9, 131), (40,)]]
     staged_p, loop_p = _clone(ours_p), _clone(ours_p)
-    low = dict(state_bits=bits, min_quant_size=0, rounding="stochastic")
+    low = dict(state_bits=bits, min_quant_size=0, rounding=rounding)
     ours = spec.cls(ours_p, impl="fused", **low, **options)
     staged = spec.cls(staged_p, impl="fused", **low, **options)
     loop = spec.cls(loop_p, impl="loop", **low, **options)
@@ -450,8 +455,14 @@ def test_stochastic_rounding_in_the_kernel_draws_the_staged_paths_bits(interpret
         for i, (a, b, c) in enumerate(zip(ours_p, staged_p, loop_p)):
             where = f"step {step}, param {i}"
             assert a.dtype == torch.bfloat16 and torch.equal(a, b), where
-            assert ours.state[a][storage.RNG].tolist() == [storage.rounding_seed(i), step]
-            assert torch.equal(ours.state[a][storage.RNG], loop.state[c][storage.RNG])
+            if rounding == "stochastic":
+                assert ours.state[a][storage.RNG].tolist() == [storage.rounding_seed(i), step]
+                assert torch.equal(ours.state[a][storage.RNG], loop.state[c][storage.RNG])
+            else:
+                assert ours.state[a][storage.KAHAN].abs().max() > 0  # the compensation is kept
+                compensated = a.float() + ours.state[a][storage.KAHAN].float()
+                torch.testing.assert_close(compensated, c.float() + loop.state[c][storage.KAHAN].float(),
+                                           atol=1e-6, rtol=1e-5)
             for state_name, value in staged.state[b].items():
                 if isinstance(value, (torch.Tensor, storage.QuantizedState)):
                     _assert_stored_equal(ours.state[a][state_name], value, f"{where}, {state_name}")
@@ -461,9 +472,13 @@ def test_stochastic_rounding_in_the_kernel_draws_the_staged_paths_bits(interpret
         _assert_same_stored(ours, loop, ours_p, loop_p, f"step {step}", fp32_params=False)
 
 
-def test_stochastic_rounding_skips_a_grad_scaler_step_without_a_draw(interpret):
+@pytest.mark.parametrize("rounding", ("stochastic", "kahan"))
+def test_bf16_rounding_skips_a_grad_scaler_step_storing_nothing(interpret, rounding):
+    """A skipped step stores nothing: no param, state or compensation, and no draw counted. Kahan rounding
+    reads found_inf in the kernel (launched, skipped inside); stochastic rounding reads it first on the host,
+    because the draw counter lives there."""
     ours_p = [torch.nn.Parameter(torch.randn(4, 256).bfloat16())]
-    opt = fastoptim.AdamW(ours_p, impl="fused", state_bits=8, min_quant_size=0, rounding="stochastic")
+    opt = fastoptim.AdamW(ours_p, impl="fused", state_bits=8, min_quant_size=0, rounding=rounding)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
     for step in range(1, 4):
         scale = scaler.scale(torch.ones(()))
@@ -474,10 +489,12 @@ def test_stochastic_rounding_skips_a_grad_scaler_step_without_a_draw(interpret):
         with record_paths() as paths:
             scaler.step(opt)
         scaler.update()
-        assert paths == ["triton_stored"] or step == 2 and paths == [], paths
+        skipped_on_host = step == 2 and rounding == "stochastic"
+        assert paths == ([] if skipped_on_host else ["triton_stored"]), paths
         if step == 2:
             assert all(torch.equal(a, b) for a, b in zip(before, _stored_bytes(opt, ours_p)))
-    assert opt.state[ours_p[0]][storage.RNG].tolist()[1] == 2  # three steps, one skipped
+    if rounding == "stochastic":
+        assert opt.state[ours_p[0]][storage.RNG].tolist()[1] == 2  # three steps, one skipped
 
 
 @pytest.mark.parametrize("capability", [80, 90])
@@ -488,7 +505,7 @@ def test_stochastic_rounding_kernel_compiles_with_vector_access_and_no_float_rou
     rule = OPTIMIZERS["adamw"].cls.rule
     group = dict(rule.defaults)
     formats = _formats(rule, group, bits)
-    ptx = ts.compile_for_gpu(rule, group, formats, capability, stochastic=True).asm["ptx"]
+    ptx = ts.compile_for_gpu(rule, group, formats, capability, rounding="stochastic").asm["ptx"]
     state_v4 = {16: 2 * 2, 8: 2, 4: 0}[bits]
     assert _count(ptx, r"ld\.global(\.\w+)*\.v4\.b32") == 2 + 2 + state_v4
     assert _count(ptx, r"st\.global(\.\w+)*\.v4\.b32") == 2 + state_v4
@@ -571,3 +588,19 @@ def test_nan_and_inf_grads_store_what_the_staged_path_stores(interpret, bits):
                 else:
                     torch.testing.assert_close(x, y, **same)
     assert ours_p[0].isnan().any()  # the NaN really went through
+
+
+@pytest.mark.parametrize("capability", [80, 90])
+@pytest.mark.parametrize("bits", (16, 8, 4))
+def test_kahan_rounding_kernel_compiles_with_vector_access_and_no_float_rounding(bits, capability):
+    """bf16 params, grads and compensations: two 128-bit vectors per thread and tile each (the compensation
+    read and written like the param); rounding to nearest on the bits: no conversion to bf16 anywhere."""
+    rule = OPTIMIZERS["adamw"].cls.rule
+    group = dict(rule.defaults)
+    formats = _formats(rule, group, bits)
+    ptx = ts.compile_for_gpu(rule, group, formats, capability, rounding="kahan").asm["ptx"]
+    state_v4 = {16: 2 * 2, 8: 2, 4: 0}[bits]
+    assert _count(ptx, r"ld\.global(\.\w+)*\.v4\.b32") == 2 + 2 + 2 + state_v4
+    assert _count(ptx, r"st\.global(\.\w+)*\.v4\.b32") == 2 + 2 + state_v4
+    assert _count(ptx, r"\bcvt(\.\w+)*\.bf16(x2)?\.f32\b") == 0
+    assert _count(ptx, r"\bfma\.\w+\.f32\b") == 0

@@ -180,11 +180,11 @@ def stored_level(impl: str, device: torch.device, rounding: str = "nearest") -> 
     on CUDA and under ``TRITON_INTERPRET=1`` the Triton kernel (``triton_stored``), on the CPU otherwise the
     C++ kernel (``cpu_kernels``). ``rounding`` is how the bucket's 16-bit params are rounded back when they
     step through fp32 ("nearest": fp32 params, or rounded as the level does): the Triton kernel also takes
-    bf16 params rounded "stochastically" (drawing the bits ``storage.stochastic_round`` draws); Kahan rounding,
-    fp16 params, strided tensors and sharded state run staged."""
+    bf16 params rounded "stochastic" (drawing the bits ``storage.stochastic_round`` draws) or "kahan" (the
+    compensation loaded and stored in the kernel); fp16 params and strided tensors run staged."""
     if impl == "foreach" and device.type == "cpu" and ROUTING and ROUTE_FOREACH_ON_CPU:
         impl = "fused"
-    if impl not in ("auto", "fused") or rounding not in ("nearest", "stochastic"):
+    if impl not in ("auto", "fused"):
         return None
     from . import fused
     if uses_triton(device):  # CUDA, or CPU tensors under TRITON_INTERPRET=1: the Triton kernel

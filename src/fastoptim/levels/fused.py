@@ -147,37 +147,43 @@ def run_stored_triton(rule, bucket: Bucket, group: dict, step: int, scalars: tup
     """Step the params of ``bucket`` whose 16/8/4-bit state the Triton kernel loads and stores in registers
     (found_inf read inside it); return the rest for the staged path, or None when nothing is left.
 
-    ``rounding="stochastic"``: the bucket's bf16 params are rounded as ``storage.round_into`` rounds them, with
-    their random streams' state from ``entries(i)`` (as ``storage.run_staged`` takes it). The kernel then takes
-    the whole bucket or none of it (the staged path finds each param's stream by its index in the bucket),
-    and found_inf is read here: a skipped step must not count a draw."""
+    ``rounding`` "stochastic" or "kahan": the bucket's bf16 params are rounded as ``storage.round_into`` rounds
+    them, with their rounding state (random stream, compensation) from ``entries(i)`` (as
+    ``storage.run_staged`` takes it). The kernel then takes the whole bucket or none of it (the staged path
+    finds each param's rounding state by its index in the bucket). A stochastic step reads found_inf here: a
+    skipped step must not count a draw."""
     from . import triton_stored
     from .. import storage
 
-    stochastic = rounding == "stochastic"
     by_formats: dict[tuple, list[int]] = {}
     rest = []
     for i in range(len(bucket.params)):
-        formats = triton_stored.signature(bucket.params, bucket.grads, bucket.states, i, stochastic)
+        formats = triton_stored.signature(bucket.params, bucket.grads, bucket.states, i, rounding)
         (rest if formats is None else by_formats.setdefault(formats, [])).append(i)
-    if stochastic:
+    own = None
+    if rounding != "nearest":
         if rest:
             return bucket
-        if found_inf is not None and found_inf.item() != 0:
-            return None
-        found_inf = None
-        streams = [storage.rounding_state(*entries(i), p, rounding) for i, p in enumerate(bucket.params)]
+        own = [storage.rounding_state(*entries(i), p, rounding) for i, p in enumerate(bucket.params)]
+        if rounding == "kahan" and not all(c.dtype == torch.bfloat16 and c.is_contiguous() and c.shape == p.shape
+                                           for c, p in zip(own, bucket.params)):
+            return bucket
+        if rounding == "stochastic":
+            if found_inf is not None and found_inf.item() != 0:
+                return None
+            found_inf = None
     tables = bucket.cache.setdefault("triton_stored_tables", {})
     for formats, indices in by_formats.items():
         part = bucket if len(indices) == len(bucket.params) else _subset(bucket, indices)
-        table = tables.get(formats)
+        table = tables.get((formats, rounding))
         if table is None:
-            table = tables[formats] = triton_stored.StoredTable()
-        keys = storage.rounding_keys([streams[i] for i in indices]) if stochastic else None
+            table = tables[formats, rounding] = triton_stored.StoredTable()
+        keys = storage.rounding_keys([own[i] for i in indices]) if rounding == "stochastic" else None
+        comps = [own[i] for i in indices] if rounding == "kahan" else None
         triton_stored.run(rule.update, part.params, part.grads, part.states, formats, scalars, flags, table,
-                          grad_mul=grad_mul, found_inf=found_inf, rounding_keys=keys)
+                          grad_mul=grad_mul, found_inf=found_inf, rounding_keys=keys, comps=comps)
         torch.autograd.graph.increment_version(part.params)  # written in place, as torch's own kernels count
-    if stochastic:
-        for stream in streams:
+    if rounding == "stochastic":
+        for stream in own:
             stream[1] += 1  # one draw per step, as ``storage.round_into`` counts
     return _subset(bucket, rest) if rest else None

@@ -77,13 +77,16 @@ def kernel_format(state, p: Tensor) -> Format | None:
     return None
 
 
+ROUNDINGS = ("nearest", "stochastic", "kahan")  # "nearest": fp32 params; the others: bf16 params
+
+
 def signature(params: Sequence[Tensor], grads: Sequence[Tensor], states: Sequence[list | None], i: int,
-              stochastic: bool = False):
+              rounding: str = "nearest"):
     """The state formats of param ``i`` when the kernel takes it whole, else None. fp32 params and grads; with
-    ``stochastic``, bf16 ones (rounded back stochastically), whose plain states are bf16 too: they step through
-    fp32 and are stored rounded to nearest, exactly the 16-bit format."""
+    ``rounding`` "stochastic" or "kahan", bf16 ones (stepped in fp32 and rounded back so), whose plain states are
+    bf16 too: they step through fp32 and are stored rounded to nearest, exactly the 16-bit format."""
     p, g = params[i], grads[i]
-    dtype = torch.bfloat16 if stochastic else torch.float32
+    dtype = torch.float32 if rounding == "nearest" else torch.bfloat16
     if is_dtensor(p) or is_dtensor(g) or p.dtype != dtype or g.dtype != dtype:
         return None
     if not (p.is_contiguous() and g.is_contiguous()) or p.numel() == 0 or g.shape != p.shape:
@@ -152,14 +155,17 @@ def {name}(table, work, grad_mul, found_inf, scalars, keys, {map_args}{scalar_ar
 '''
 
 
-def _ptrs(formats: Sequence[Format | None], hinted: bool, stochastic: bool) -> str:
+def _ptrs(formats: Sequence[Format | None], hinted: bool, rounding: str) -> str:
     def ptr(col: int, kind: str) -> str:
         text = f"tl.load(row + {col}).to(tl.pointer_type({kind}))"
         return f"tl.multiple_of({text}, {ALIGN})" if hinted else text
 
-    value = "tl.int16" if stochastic else "tl.float32"  # bf16 params: their bits
+    value = "tl.float32" if rounding == "nearest" else "tl.int16"  # bf16 params: their bits
     lines = [f"p_ptr = {ptr(4, value)}", f"g_ptr = {ptr(5, value)}"]
     col = 6
+    if rounding == "kahan":  # the compensation: what rounding the param to bf16 lost, bf16
+        lines.append(f"comp_ptr = {ptr(col, 'tl.int16')}")
+        col += 1
     for i, fmt in enumerate(formats):
         if fmt is None:
             continue
@@ -218,9 +224,21 @@ def _store_state(i: int, fmt: Format, out: str) -> list[str]:
     return lines
 
 
-def _store_param(stochastic: bool) -> list[str]:
-    if not stochastic:
+def _bf16_nearest(x: str, bits: str) -> str:
+    """uint32 whose low half is fp32 ``x`` (its bits ``bits``) rounded to bf16, nearest even, as torch rounds."""
+    return f"tl.where({x} != {x}, 0x7FC0, ({bits} + 0x7FFF + (({bits} >> 16) & 1)) >> 16)"
+
+
+def _store_param(rounding: str) -> list[str]:
+    if rounding == "nearest":
         return ["tl.store(p_ptr + offs, out[0], mask=mask)"]
+    if rounding == "kahan":  # ``storage.round_into``: the param to nearest, what that lost into the compensation
+        return ["p_bits = out[0].to(tl.uint32, bitcast=True)",
+                f"p_new = {_bf16_nearest('out[0]', 'p_bits')}",
+                "tl.store(p_ptr + offs, p_new.to(tl.int16), mask=mask)",
+                "lost = out[0] - (p_new << 16).to(tl.float32, bitcast=True)",
+                "lost_bits = lost.to(tl.uint32, bitcast=True)",
+                f"tl.store(comp_ptr + offs, ({_bf16_nearest('lost', 'lost_bits')}).to(tl.int16), mask=mask)"]
     # ``storage.stochastic_round``: 16 bits of mix32(index + key) added to the fp32 pattern's low half, which
     # is then dropped (integer operations, so the GPU and the interpreter agree); NaN and inf to nearest
     return ["p_bits = out[0].to(tl.uint32, bitcast=True)",
@@ -231,12 +249,12 @@ def _store_param(stochastic: bool) -> list[str]:
             "h = h * 0x846CA68B",
             "h = h ^ (h >> 16)",
             "p_up = (p_bits + (h >> 16)) >> 16",
-            "p_near = tl.where(out[0] != out[0], 0x7FC0, (p_bits + 0x7FFF + ((p_bits >> 16) & 1)) >> 16)",
+            f"p_near = {_bf16_nearest('out[0]', 'p_bits')}",
             "p_new = tl.where((p_bits & 0x7F800000) == 0x7F800000, p_near, p_up)",
             "tl.store(p_ptr + offs, p_new.to(tl.int16), mask=mask)"]
 
 
-def _body(formats: Sequence[Format | None], n_scalars: int, n_flags: int, whole: bool, stochastic: bool) -> str:
+def _body(formats: Sequence[Format | None], n_scalars: int, n_flags: int, whole: bool, rounding: str) -> str:
     lines = []
     if any(f is not None and f.bits == 4 for f in formats):
         kb = "tl.arange(0, QB // 2)"
@@ -247,9 +265,12 @@ def _body(formats: Sequence[Format | None], n_scalars: int, n_flags: int, whole:
         else:
             lines += [f"byte_offs = (r * ((length + 1) // 2) + j * (QB // 2))[:, None] + {kb}[None, :]",
                       f"byte_mask = block_mask[:, None] & ({kb}[None, :] < ((n_in + 1) // 2)[:, None])"]
-    if stochastic:  # bf16 bits widened exactly
+    if rounding != "nearest":  # bf16 bits widened exactly
         lines += [f"{x} = (tl.load({x}_ptr + offs, mask=mask, other=0).to(tl.int32) << 16)"
                   f".to(tl.float32, bitcast=True)" for x in ("p", "g")]
+        if rounding == "kahan":  # the param as the compensated sum (``storage.run_staged``)
+            lines += ["p = p + (tl.load(comp_ptr + offs, mask=mask, other=0).to(tl.int32) << 16)"
+                      ".to(tl.float32, bitcast=True)"]
     else:
         lines += ["p = tl.load(p_ptr + offs, mask=mask, other=0.0)",
                   "g = tl.load(g_ptr + offs, mask=mask, other=0.0)"]
@@ -264,26 +285,28 @@ def _body(formats: Sequence[Format | None], n_scalars: int, n_flags: int, whole:
         args.append(f"s{i}")
     args += [f"c{i}" for i in range(n_scalars)] + [f"F{i}" for i in range(n_flags)]
     lines.append(f"out = UPDATE(p, g, {', '.join(args)})")
-    lines += _store_param(stochastic)
+    lines += _store_param(rounding)
     for i, fmt in enumerate(formats):
         if fmt is not None:
             lines += _store_state(i, fmt, f"out[{i + 1}]")
     return "\n".join(" " * 12 + line for line in lines)
 
 
-def row_length(formats: Sequence[Format | None]) -> int:
-    """int64 columns of one tensor's table row: n_blocks, length, blocks per row, whole, p, g, then per
-    state its bf16 address or its codes' and absmax's."""
-    return 6 + sum(0 if f is None else 1 if f.bits == 16 else 2 for f in formats)
+def row_length(formats: Sequence[Format | None], rounding: str = "nearest") -> int:
+    """int64 columns of one tensor's table row: n_blocks, length, blocks per row, whole, p, g, with Kahan
+    rounding the compensation, then per state its bf16 address or its codes' and absmax's."""
+    return 6 + (rounding == "kahan") + sum(0 if f is None else 1 if f.bits == 16 else 2 for f in formats)
 
 
 @lru_cache(maxsize=None)
 def kernel_for(update: Callable, formats: tuple, n_scalars: int, n_flags: int, interpret: bool = False,
-               stochastic: bool = False):
-    """The kernel for one rule and one tuple of state formats (None: inactive); ``stochastic``: bf16 params
-    rounded stochastically."""
+               rounding: str = "nearest"):
+    """The kernel for one rule, one tuple of state formats (None: inactive) and one rounding of the params
+    (``ROUNDINGS``)."""
+    if rounding not in ROUNDINGS:
+        raise ValueError(f"rounding {rounding!r} is not one of {ROUNDINGS}")
     tag = "_".join("x" if f is None else f.tag.replace("/", "b") for f in formats)
-    name = f"{update.__name__}_stored_{tag}" + ("_bf16_stochastic" if stochastic else "")
+    name = f"{update.__name__}_stored_{tag}" + ("" if rounding == "nearest" else f"_bf16_{rounding}")
     maps = [i for i, f in enumerate(formats) if f is not None and f.quantized]
     source = _TEMPLATE.format(
         name=name,
@@ -291,10 +314,10 @@ def kernel_for(update: Callable, formats: tuple, n_scalars: int, n_flags: int, i
         scalar_args="".join(f"c{i}, " for i in range(n_scalars)),
         scalar_loads="\n".join(f"        c{i} = tl.load(scalars + {i})" for i in range(n_scalars)) or "        pass",
         flag_args=", ".join(f"F{i}: tl.constexpr" for i in range(n_flags)),
-        row_len=row_length(formats),
-        whole_ptrs=_ptrs(formats, True, stochastic), ragged_ptrs=_ptrs(formats, False, stochastic),
-        whole_body=_body(formats, n_scalars, n_flags, True, stochastic),
-        ragged_body=_body(formats, n_scalars, n_flags, False, stochastic),
+        row_len=row_length(formats, rounding),
+        whole_ptrs=_ptrs(formats, True, rounding), ragged_ptrs=_ptrs(formats, False, rounding),
+        whole_body=_body(formats, n_scalars, n_flags, True, rounding),
+        ragged_body=_body(formats, n_scalars, n_flags, False, rounding),
     )
     globs = {"tl": tl, "triton": triton, "UPDATE": triton_twin(update, interpret)}
     fn = _exec_source(source, f"<fastoptim-kernel {name}>", name, globs)
@@ -322,8 +345,10 @@ class StoredTable:
     def __init__(self):
         self.key = None
 
-    def update(self, params, grads, states, formats) -> None:
+    def update(self, params, grads, states, formats, comps=None) -> None:
+        """``comps``: with Kahan rounding, each param's compensation."""
         addresses = [t.data_ptr() for t in params] + [t.data_ptr() for t in grads]
+        addresses += [t.data_ptr() for t in comps or ()]
         for column, fmt in zip(states, formats):
             if fmt is not None:
                 addresses += [s.data_ptr() if fmt.bits == 16 else (s.codes.data_ptr(), s.absmax.data_ptr())
@@ -337,6 +362,9 @@ class StoredTable:
             n_blocks, length, per_row = _layout(p, bits)
             columns = [p.data_ptr(), g.data_ptr()]
             bases = [p.data_ptr(), g.data_ptr()]
+            if comps is not None:
+                columns.append(comps[t].data_ptr())
+                bases.append(comps[t].data_ptr())
             for column, fmt in zip(states, formats):
                 if fmt is None:
                     continue
@@ -364,13 +392,16 @@ def _maps(qmap: quant.QuantMap, device: torch.device) -> tuple[Tensor, Tensor]:
 
 def run(update: Callable, params: list[Tensor], grads: list[Tensor], states: list[list | None], formats: tuple,
         scalars: tuple, flags: tuple, table: StoredTable, grad_mul: Tensor | None = None,
-        found_inf: Tensor | None = None, rounding_keys: Tensor | None = None) -> None:
-    """One launch over params that all have state ``formats`` (see ``signature``). ``rounding_keys``: bf16
-    params rounded stochastically, one key per param (``storage.rounding_keys``)."""
+        found_inf: Tensor | None = None, rounding_keys: Tensor | None = None,
+        comps: list[Tensor] | None = None) -> None:
+    """One launch over params that all have state ``formats`` (see ``signature``). bf16 params: rounded
+    stochastically with ``rounding_keys`` (one per param, ``storage.rounding_keys``), or with Kahan's
+    compensations ``comps`` (bf16, one per param)."""
     bits = next(f.bits for f in formats if f is not None)
     stochastic = rounding_keys is not None
-    kernel = kernel_for(update, formats, len(scalars), len(flags), interpreting(), stochastic)
-    table.update(params, grads, states, formats)
+    rounding = "stochastic" if stochastic else "kahan" if comps is not None else "nearest"
+    kernel = kernel_for(update, formats, len(scalars), len(flags), interpreting(), rounding)
+    table.update(params, grads, states, formats, comps)
     device = params[0].device
     maps = []
     for fmt in formats:
@@ -393,7 +424,7 @@ def run(update: Callable, params: list[Tensor], grads: list[Tensor], states: lis
 # --- ahead-of-time compile ---------------------------------------------------------------------------
 
 def compile_for_gpu(rule, group: dict, formats: tuple, capability: int = 90, grad_mul: bool = False,
-                    found_inf: bool = False, stochastic: bool = False):
+                    found_inf: bool = False, rounding: str = "nearest"):
     """Compile the rule's stored-state kernel for ``sm_<capability>`` (PTX and cubin) on any machine."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -401,14 +432,15 @@ def compile_for_gpu(rule, group: dict, formats: tuple, capability: int = 90, gra
     flags = rule.flags(group)
     n_scalars = len(rule.scalars(group, 1))
     bits = next(f.bits for f in formats if f is not None)
-    kernel = kernel_for(rule.update, formats, n_scalars, len(flags), False, stochastic)
+    kernel = kernel_for(rule.update, formats, n_scalars, len(flags), False, rounding)
     signature = {"table": "*i64", "work": "*i64", "grad_mul": "*fp32", "found_inf": "*fp32", "scalars": "*fp32",
                  "keys": "*i64"}
     for i, fmt in enumerate(formats):
         if fmt is not None and fmt.quantized:
             signature.update({f"s{i}_map": "*fp32", f"s{i}_lut": "*i32"})
     signature.update({f"c{i}": "fp32" for i in range(n_scalars)})
-    constants = dict(TB=tile_blocks(bits), QB=block_of(bits), CHUNK_TILES=CHUNK_TILES, STOCHASTIC=stochastic,
+    constants = dict(TB=tile_blocks(bits), QB=block_of(bits), CHUNK_TILES=CHUNK_TILES,
+                     STOCHASTIC=rounding == "stochastic",
                      HAS_GRAD_MUL=grad_mul,
                      HAS_INF=found_inf, SCALARS_IN_MEMORY=False, **{f"F{i}": bool(f) for i, f in enumerate(flags)})
     signature.update({name: "constexpr" for name in constants})
