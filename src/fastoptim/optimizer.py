@@ -262,8 +262,8 @@ class FastOptimizer(torch.optim.Optimizer):
             if not bucket.staged:
                 run(rule, level_bucket, *args, **extra)
                 continue
-            # 16/8/4-bit state, and 16-bit params rounded stochastically: loaded and stored in the kernel where
-            # the level declares it can; the rest, Kahan rounding too, through fp32 temporaries (``storage.run_staged``)
+            # 16/8/4-bit state, and 16-bit params rounded stochastically or with Kahan: loaded and stored in the
+            # kernel where the level declares it can; the rest through fp32 temporaries (``storage.run_staged``)
             def entries(i, owners=bucket.owners):  # the state dict and optimizer index of the bucket's i-th param
                 return self._state[owners[i]], self._param_index(owners[i])
 

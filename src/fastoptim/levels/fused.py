@@ -10,8 +10,9 @@
   amortise a call each (flat buffers always are); otherwise the cache-blocked foreach level.
 * CPU, 16/8/4-bit state (``run_stored``): the rule's C++ twin loads, updates and stores the state in one
   pass (``cpu_kernels``); what it does not take runs staged, as on every other level.
-* CUDA (and the interpreter), 16/8/4-bit state (``run_stored_triton``): the Triton kernel of
-  ``triton_stored`` does the same in registers, one launch per bucket and state formats.
+* CUDA (and the interpreter), 16/8/4-bit state and bf16 params rounded stochastically or with Kahan
+  (``run_stored_triton``): the Triton kernel of ``triton_stored`` does the same in registers, one launch per
+  bucket and state formats.
 """
 
 from __future__ import annotations

@@ -19,14 +19,15 @@ Where ``triton_kernels`` steps plain state, this kernel steps fp32 params whose 
   odd addresses) the masked branch with per-block offsets, so no tensor the formats allow is refused;
 * ``grad_mul`` and ``found_inf`` are read inside the kernel, as in ``triton_kernels``: a step GradScaler
   skips stores nothing;
-* bf16 params with ``rounding="stochastic"`` (``STOCHASTIC``): loaded as bits, stepped in fp32, rounded back
-  with the bits ``storage.stochastic_round`` draws (16 bits of mix32(element index + the step's key) added
-  to the fp32 pattern, the low half dropped), in integer operations, so the params are the staged path's
-  bit for bit.
+* bf16 params with ``rounding="stochastic"``: loaded as bits, stepped in fp32, rounded back with the bits
+  ``storage.stochastic_round`` draws (16 bits of mix32(element index + the step's key) added to the fp32
+  pattern, the low half dropped); with ``rounding="kahan"``: stepped as param plus compensation, stored
+  rounded to nearest with what that lost as the new compensation. Integer operations on the bits, so the
+  params are the staged path's bit for bit.
 
 What it takes (``signature``): contiguous params and grads of one shape, fp32 (bf16 when rounded
-stochastically), every active state bf16 or a ``QuantizedState`` (not sharded), all of one width. The rest
-runs staged (``storage.run_staged``).
+stochastically or with Kahan), every active state bf16 or a ``QuantizedState`` (not sharded), all of one
+width. The rest runs staged (``storage.run_staged``).
 
 HBM traffic per param, on paper (the whole-rows branch; the map and the encoder's table are gathered
 from L1/L2): AdamW fp32 params, 8-bit states: p 4 + 4, g 4, two codes 1 + 1 each, absmax 2 x (4 + 4) / 256:
