@@ -604,3 +604,28 @@ def test_kahan_rounding_kernel_compiles_with_vector_access_and_no_float_rounding
     assert _count(ptx, r"st\.global(\.\w+)*\.v4\.b32") == 2 + 2 + state_v4
     assert _count(ptx, r"\bcvt(\.\w+)*\.bf16(x2)?\.f32\b") == 0
     assert _count(ptx, r"\bfma\.\w+\.f32\b") == 0
+
+
+@pytest.mark.parametrize("bits", (16, 8, 4))
+def test_tensors_spanning_several_programs_split_mid_row(interpret, bits):
+    """A program takes ``CHUNK_TILES`` tiles of a tensor: rows of 600 (ragged at 8 and 4 bits) put a program
+    boundary inside a row; 40 x 512 is whole rows over two programs too."""
+    params, g = _params(12, [(30, 600), (40, 512)])
+    base_p = _clone(params)
+    ours = fastoptim.AdamW(params, impl="fused", state_bits=bits, min_quant_size=0)
+    base = fastoptim.AdamW(base_p, impl="loop", state_bits=bits, min_quant_size=0)
+    for step in range(1, 3):
+        for a, b in zip(params, base_p):
+            a.grad = torch.randn(a.shape, generator=g)
+            b.grad = a.grad.clone()
+        with record_paths() as paths:
+            ours.step()
+        base.step()
+        assert paths == ["triton_stored"]
+        _assert_same_stored(ours, base, params, base_p, f"step {step}")
+    tables = next(c for c in ours._bucket_caches.values() if "triton_stored_tables" in c)["triton_stored_tables"]
+    (table,) = tables.values()
+    starts = [int(b) for t, b in table.work.tolist() if t == 0]
+    assert len(starts) > 1 and any(b % int(table.table[0, 2]) for b in starts)  # a program starts mid-row
+    length = 30 * 600 if bits == 16 else 600  # 16-bit state: the flat tensor is the one row
+    assert table.table[:, 3].tolist() == [int(length % ts.block_of(bits) == 0), 1]
