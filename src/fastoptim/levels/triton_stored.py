@@ -1,12 +1,13 @@
 """The fused level's Triton kernel for 16/8/4-bit state: load, update and store the state in registers.
 
-Where ``triton_kernels`` steps plain state, this kernel steps fp32 params whose states are kept as
-``storage`` keeps them, in one launch per bucket and one pass over memory, no temporaries:
+Where ``triton_kernels`` steps plain state, this kernel steps params whose states are kept as ``storage``
+keeps them, in one launch per bucket (and state formats) and one pass over memory, no temporaries:
 
 * the work is the codec's blocks (``quant``: 256 elements at 8 bits, 128 at 4, along each row, never
   across dim 0; 16-bit state takes 256-element pieces of the flat tensor). A program takes up to
-  ``CHUNK_TILES`` tiles of ``TILE_BLOCKS`` consecutive blocks of one tensor; a tile is a
-  ``[TILE_BLOCKS, block]`` register array, so each block's absmax is one ``tl.max`` along its row;
+  ``CHUNK_TILES`` tiles of ``tile_blocks(bits)`` consecutive blocks of one tensor (``TILE_ELEMENTS``
+  elements); a tile is a ``[blocks, block]`` register array, so each block's absmax is one max-reduction
+  along its row;
 * codes are decoded through the map (a table in device memory) times the block's absmax; the rule's own
   ``update`` (``triton_twin``) runs in fp32; each quantized state is stored with its block's new absmax
   and the codec's nearest-code table (``quant.Encoder``: one table read, integer compares on the bits of
