@@ -260,16 +260,18 @@ class FastOptimizer(torch.optim.Optimizer):
             if not bucket.staged:
                 run(rule, level_bucket, *args, **extra)
                 continue
-            # 16/8/4-bit state: loaded and stored in the kernel where the level can; the rest, and 16-bit
-            # params rounded stochastically or with Kahan, through fp32 temporaries (``storage.run_staged``)
-            stored = None if rounded else levels.stored_level(self.impl, level_bucket.device)
+            # 16/8/4-bit state, and 16-bit params rounded stochastically or with Kahan: loaded and stored in the
+            # kernel where the level declares it can; the rest through fp32 temporaries (``storage.run_staged``)
+            def entries(i, owners=bucket.owners):  # the state dict, optimizer index and param of the i-th param
+                return self._state[owners[i]], self._param_index(owners[i]), owners[i]
+
+            stored = levels.stored_level(self.impl, level_bucket.device, rounding if rounded else "nearest")
             if stored is not None:
-                level_bucket = stored(rule, level_bucket, *args, **extra)
+                rounds = {"rounding": rounding, "entries": entries} if rounded else {}
+                level_bucket = stored(rule, level_bucket, *args, **extra, **rounds)
                 if level_bucket is None:
                     continue
-            storage.run_staged(lambda b: run(rule, b, *args), level_bucket, rounding=rounding,
-                               entries=lambda i, owners=bucket.owners: (self._state[owners[i]],
-                                                                        self._param_index(owners[i]), owners[i]),
+            storage.run_staged(lambda b: run(rule, b, *args), level_bucket, rounding=rounding, entries=entries,
                                **extra)
 
     def _grad_mul(self, work: list) -> Tensor | None:

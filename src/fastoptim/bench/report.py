@@ -51,7 +51,7 @@ def to_dict(workload: str, optimizer: str, n_params: int, n_tensors: int, rows: 
 
 # the paths each level runs as its own (the fused level picks among several by device and dtype)
 OWN_PATHS = {"loop": {"loop"}, "foreach": {"foreach"}, "compiled": {"compiled"},
-             "fused": {"triton", "torch_fused", "cpu_kernel", "compiled", "foreach"}}
+             "fused": {"triton", "triton_stored", "torch_fused", "cpu_kernel", "compiled", "foreach"}}
 
 
 def _label(row) -> str:

@@ -42,7 +42,7 @@ def is_dtensor(t) -> bool:
 
 # --- which path ran: tests of a fast path assert that it ran -------------------------------------------
 
-PATHS = ("loop", "foreach", "compiled", "triton", "torch_fused", "cpu_kernel")
+PATHS = ("loop", "foreach", "compiled", "triton", "triton_stored", "torch_fused", "cpu_kernel")
 _path_log: list[str] | None = None
 
 
@@ -169,15 +169,27 @@ def level(impl: str, device: torch.device) -> Callable:
     return _runs()[impl]
 
 
-def stored_level(impl: str, device: torch.device) -> Callable | None:
+def stored_level(impl: str, device: torch.device, rounding: str = "nearest") -> Callable | None:
     """The one place that says which path may see 16/8/4-bit state as it is stored: the run function that
     loads and stores it inside its own kernel for ``impl`` on ``device`` (it returns the part of the bucket
     it leaves), or None. Every other path, torch's own fused kernels among them, gets plain temporaries
-    (``storage.run_staged``), so a storage option no path declares can never be silently ignored."""
+    (``storage.run_staged``), so a storage option no path declares can never be silently ignored.
+
+    Declared: the fused level (and "auto"; and foreach where it runs the fused level's path) with fp32
+    params whose active states are all bf16, or all 8-bit, or all 4-bit (``QuantizedState``, not sharded):
+    on CUDA and under ``TRITON_INTERPRET=1`` the Triton kernel (``triton_stored``), on the CPU otherwise the
+    C++ kernel (``cpu_kernels``). ``rounding`` is how the bucket's 16-bit params are rounded back when they
+    step through fp32 ("nearest": fp32 params, or rounded as the level does): the Triton kernel also takes
+    bf16 params rounded "stochastic" (drawing the bits ``storage.stochastic_round`` draws) or "kahan" (the
+    compensation loaded and stored in the kernel); fp16 params and strided tensors run staged."""
     if impl == "foreach" and device.type == "cpu" and ROUTING and ROUTE_FOREACH_ON_CPU:
         impl = "fused"
-    if impl in ("auto", "fused") and device.type == "cpu" and not uses_triton(device):
-        from . import fused
+    if impl not in ("auto", "fused"):
+        return None
+    from . import fused
+    if uses_triton(device):  # CUDA, or CPU tensors under TRITON_INTERPRET=1: the Triton kernel
+        return fused.run_stored_triton
+    if device.type == "cpu" and rounding == "nearest":
         return fused.run_stored
     return None
 

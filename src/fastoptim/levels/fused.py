@@ -10,6 +10,9 @@
   amortise a call each (flat buffers always are); otherwise the cache-blocked foreach level.
 * CPU, 16/8/4-bit state (``run_stored``): the rule's C++ twin loads, updates and stores the state in one
   pass (``cpu_kernels``); what it does not take runs staged, as on every other level.
+* CUDA (and the interpreter), 16/8/4-bit state and bf16 params rounded stochastically or with Kahan
+  (``run_stored_triton``): the Triton kernel of ``triton_stored`` does the same in registers, one launch per
+  bucket and state formats.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import warnings
 
 import torch
 
-from . import Bucket, caller_stacklevel, compiled, foreach, pack_scalars, took, uses_triton
+from . import Bucket, caller_stacklevel, compiled, foreach, is_dtensor, pack_scalars, took, uses_triton
 
 # torch 2.13's fused CPU SGD is wrong for fp16/bf16 (0.26 off its own single-tensor SGD after 3 steps),
 # so low-precision buckets take our own paths
@@ -138,3 +141,53 @@ def run_stored(rule, bucket: Bucket, group: dict, step: int, scalars: tuple, fla
         took("cpu_kernel")
         torch.autograd.graph.increment_version(part.params)  # written in place, as torch's own kernels count
     return _subset(bucket, sorted(rest)) if rest else None
+
+
+def run_stored_triton(rule, bucket: Bucket, group: dict, step: int, scalars: tuple, flags: tuple, grad_mul=None,
+                      found_inf=None, rounding: str = "nearest", entries=None) -> Bucket | None:
+    """Step the params of ``bucket`` whose 16/8/4-bit state the Triton kernel loads and stores in registers
+    (found_inf read inside it); return the rest for the staged path, or None when nothing is left.
+
+    ``rounding`` "stochastic" or "kahan": the bucket's bf16 params are rounded as ``storage.round_into`` rounds
+    them, with their rounding state (random stream, compensation) from ``entries(i)`` (as
+    ``storage.run_staged`` takes it). The kernel then takes the whole bucket or none of it (the staged path
+    finds each param's rounding state by its index in the bucket). A stochastic step reads found_inf here: a
+    skipped step must not count a draw."""
+    from . import triton_stored
+    from .. import storage
+
+    by_formats: dict[tuple, list[int]] = {}
+    rest = []
+    for i in range(len(bucket.params)):
+        formats = triton_stored.signature(bucket.params, bucket.grads, bucket.states, i, rounding)
+        (rest if formats is None else by_formats.setdefault(formats, [])).append(i)
+    own = None
+    if rounding != "nearest":
+        if rest:
+            return bucket
+        owners = [entries(i) for i in range(len(bucket.params))]
+        if rounding == "stochastic" and any(is_dtensor(param) for _, _, param in owners):
+            return bucket  # a shard draws by each element's index in the whole param: the staged path knows it
+        own = [storage.rounding_state(*entry, rounding) for entry in owners]
+        if rounding == "kahan" and not all(c.dtype == torch.bfloat16 and c.is_contiguous() and c.shape == p.shape
+                                           for c, p in zip(own, bucket.params)):
+            return bucket
+        if rounding == "stochastic":
+            if found_inf is not None and found_inf.item() != 0:
+                return None
+            found_inf = None
+    tables = bucket.cache.setdefault("triton_stored_tables", {})
+    for formats, indices in by_formats.items():
+        part = bucket if len(indices) == len(bucket.params) else _subset(bucket, indices)
+        table = tables.get((formats, rounding))
+        if table is None:
+            table = tables[formats, rounding] = triton_stored.StoredTable()
+        keys = storage.rounding_keys([own[i] for i in indices]) if rounding == "stochastic" else None
+        comps = [own[i] for i in indices] if rounding == "kahan" else None
+        triton_stored.run(rule.update, part.params, part.grads, part.states, formats, scalars, flags, table,
+                          grad_mul=grad_mul, found_inf=found_inf, rounding_keys=keys, comps=comps)
+        torch.autograd.graph.increment_version(part.params)  # written in place, as torch's own kernels count
+    if rounding == "stochastic":
+        for stream in own:
+            stream[1] += 1  # one draw per step, as ``storage.round_into`` counts
+    return _subset(bucket, rest) if rest else None

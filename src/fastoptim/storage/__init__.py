@@ -13,7 +13,8 @@ each state is loaded into a temporary of the param's dtype (upcast, or dequantiz
 temporaries exactly as it steps plain state, and each is stored back (rounded to nearest, or quantized).
 So every level, and torch's own fused kernels, give the numbers of the same math on the stored values.
 A level that loads and stores inside its own kernel says so in one place (``levels.stored_level``: today the
-fused level on the CPU, ``levels.cpu_kernels``) and skips the temporaries for the params it takes.
+fused level, on the CPU with ``levels.cpu_kernels`` and on CUDA with ``levels.triton_stored``) and skips the
+temporaries for the params it takes.
 """
 
 from __future__ import annotations
@@ -386,6 +387,21 @@ def rounding_state(entry: dict | None, index: int | None, param: Tensor, roundin
     return value.to_local() if _is_dtensor(value) else value
 
 
+def rounding_key(state: Tensor) -> int:
+    """This step's key of a stochastic rounding stream [seed, draws]: what ``stochastic_round`` adds to each
+    element's index."""
+    seed, draws = (int(v) for v in state.tolist())
+    return _mix32((seed ^ _mix32(draws & _M32)) & _M32)
+
+
+def rounding_keys(states: list[Tensor]) -> Tensor:
+    """``rounding_key`` of each stream, as one int64 CPU tensor (for a kernel)."""
+    if not states:
+        return torch.zeros(0, dtype=torch.int64)
+    streams = torch.stack([s.to(device="cpu", dtype=torch.int64) for s in states])
+    return _mix32((streams[:, 0] ^ _mix32(streams[:, 1] & _M32)) & _M32)
+
+
 def round_into(p: Tensor, new: Tensor, state: Tensor, rounding: str, param: Tensor) -> None:
     """fp32 ``new`` into the 16-bit ``p`` (``param``, or this rank's part of it): to nearest; Kahan keeps what
     rounding to nearest lost; stochastic draws the step's bits from [seed, draws] and counts one draw."""
@@ -394,8 +410,7 @@ def round_into(p: Tensor, new: Tensor, state: Tensor, rounding: str, param: Tens
         if rounding == "kahan":
             state.copy_(new - p.float())
         return
-    seed, draws = (int(v) for v in state.tolist())
-    p.copy_(stochastic_round(new, _mix32((seed ^ _mix32(draws & _M32)) & _M32), element_index(param)))
+    p.copy_(stochastic_round(new, rounding_key(state), element_index(param)))
     state[1] += 1
 
 

@@ -1,0 +1,451 @@
+"""The fused level's Triton kernel for 16/8/4-bit state: load, update and store the state in registers.
+
+Where ``triton_kernels`` steps plain state, this kernel steps params whose states are kept as ``storage``
+keeps them, in one launch per bucket (and state formats) and one pass over memory, no temporaries:
+
+* the work is the codec's blocks (``quant``: 256 elements at 8 bits, 128 at 4, along each row, never
+  across dim 0; 16-bit state takes 256-element pieces of the flat tensor). A program takes up to
+  ``CHUNK_TILES`` tiles of ``tile_blocks(bits)`` consecutive blocks of one tensor (``TILE_ELEMENTS``
+  elements); a tile is a ``[blocks, block]`` register array, so each block's absmax is one max-reduction
+  along its row;
+* codes are decoded through the map (a table in device memory) times the block's absmax; the rule's own
+  ``update`` (``triton_twin``) runs in fp32; each quantized state is stored with its block's new absmax
+  and the codec's nearest-code table (``quant.Encoder``: one table read, integer compares on the bits of
+  ``x / absmax``, the division IEEE ``tl.div_rn``), so the codes are exactly ``quant.quantize``'s;
+* bf16 state is widened and rounded back to nearest even with integer operations on the bits (as torch
+  rounds), not with a dtype cast: the interpreter would truncate where the GPU rounds, and this way the
+  GPU, the interpreter and the staged path store the same bytes;
+* a tensor whose rows are whole blocks and whose addresses are 16-byte aligned takes a branch with
+  alignment hints (vector loads and stores of codes, params and grads); any other tensor (ragged rows,
+  odd addresses) the masked branch with per-block offsets, so no tensor the formats allow is refused;
+* ``grad_mul`` and ``found_inf`` are read inside the kernel, as in ``triton_kernels``: a step GradScaler
+  skips stores nothing;
+* bf16 params with ``rounding="stochastic"``: loaded as bits, stepped in fp32, rounded back with the bits
+  ``storage.stochastic_round`` draws (16 bits of mix32(element index + the step's key) added to the fp32
+  pattern, the low half dropped); with ``rounding="kahan"``: stepped as param plus compensation, stored
+  rounded to nearest with what that lost as the new compensation. Integer operations on the bits, so the
+  params are the staged path's bit for bit.
+
+What it takes (``signature``): contiguous params and grads of one shape, fp32 (bf16 when rounded
+stochastically or with Kahan), every active state bf16 or a ``QuantizedState`` (not sharded), all of one
+width. The rest runs staged (``storage.run_staged``).
+
+HBM traffic per param, on paper (the whole-rows branch; the map and the encoder's table are gathered
+from L1/L2): AdamW fp32 params, 8-bit states: p 4 + 4, g 4, two codes 1 + 1 each, absmax 2 x (4 + 4) / 256:
+16.06 B (28 B at 32-bit state, 20 B at 16-bit, 14.1 B at 4-bit).
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Callable, Sequence
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from . import is_dtensor, pack_scalars, took
+from .triton_kernels import ALIGN, NUM_WARPS, _exec_source, _jit, interpreting, triton_twin
+from ..storage import Format, QuantizedState, quant
+
+PIECE = 256          # elements per work block at 16 bits (no codec block there)
+TILE_ELEMENTS = 2048  # elements per tile: 16 per thread at 4 warps, one 128-bit load of 8-bit codes
+CHUNK_TILES = 8      # tiles per program
+
+
+def block_of(bits: int) -> int:
+    return quant.BLOCK[bits] if bits in (8, 4) else PIECE
+
+
+def tile_blocks(bits: int) -> int:
+    return TILE_ELEMENTS // block_of(bits)
+
+
+# --- formats the kernel takes --------------------------------------------------------------------------
+
+def kernel_format(state, p: Tensor) -> Format | None:
+    if isinstance(state, QuantizedState):
+        if is_dtensor(state.codes) or state.shape != p.shape or state.device != p.device:
+            return None
+        ok = (state.codes.dtype == torch.uint8 and state.codes.is_contiguous() and state.absmax.is_contiguous()
+              and state.absmax.dtype == torch.float32
+              and tuple(state.codes.shape) == quant.codes_shape(p.shape, state.fmt.bits)
+              and tuple(state.absmax.shape) == quant.absmax_shape(p.shape, state.fmt.block))
+        return state.fmt if ok else None
+    if isinstance(state, Tensor) and not is_dtensor(state) and state.dtype == torch.bfloat16 \
+            and state.is_contiguous() and state.shape == p.shape and state.device == p.device:
+        return Format(16)
+    return None
+
+
+ROUNDINGS = ("nearest", "stochastic", "kahan")  # "nearest": fp32 params; the others: bf16 params
+
+
+def signature(params: Sequence[Tensor], grads: Sequence[Tensor], states: Sequence[list | None], i: int,
+              rounding: str = "nearest"):
+    """The state formats of param ``i`` when the kernel takes it whole, else None. fp32 params and grads; with
+    ``rounding`` "stochastic" or "kahan", bf16 ones (stepped in fp32 and rounded back so), whose plain states are
+    bf16 too: they step through fp32 and are stored rounded to nearest, exactly the 16-bit format."""
+    p, g = params[i], grads[i]
+    dtype = torch.float32 if rounding == "nearest" else torch.bfloat16
+    if is_dtensor(p) or is_dtensor(g) or p.dtype != dtype or g.dtype != dtype:
+        return None
+    if not (p.is_contiguous() and g.is_contiguous()) or p.numel() == 0 or g.shape != p.shape:
+        return None
+    formats = []
+    for column in states:
+        if column is None:
+            formats.append(None)
+            continue
+        fmt = kernel_format(column[i], p)
+        if fmt is None:
+            return None
+        formats.append(fmt)
+    widths = {f.bits for f in formats if f is not None}
+    return tuple(formats) if len(widths) == 1 else None
+
+
+# --- the generated kernel ---------------------------------------------------------------------------
+
+_TEMPLATE = '''
+def {name}(table, work, grad_mul, found_inf, scalars, keys, {map_args}{scalar_args}
+           TB: tl.constexpr, QB: tl.constexpr, CHUNK_TILES: tl.constexpr, STOCHASTIC: tl.constexpr,
+           HAS_GRAD_MUL: tl.constexpr, HAS_INF: tl.constexpr, SCALARS_IN_MEMORY: tl.constexpr, {flag_args}):
+    if SCALARS_IN_MEMORY:  # tensor-valued hyper-parameters: read on the device, never synced to the host
+{scalar_loads}
+    if HAS_INF:
+        if tl.load(found_inf) != 0:
+            return
+    pid = tl.program_id(0)
+    tensor = tl.load(work + 2 * pid)
+    first = tl.load(work + 2 * pid + 1)
+    row = table + tensor * {row_len}
+    n_blocks = tl.load(row)
+    length = tl.load(row + 1)
+    per_row = tl.load(row + 2)
+    whole = tl.load(row + 3)
+    last = tl.minimum(first + CHUNK_TILES * TB, n_blocks)
+    g_mul = 1.0
+    if HAS_GRAD_MUL:
+        g_mul = tl.load(grad_mul)
+    key = 0
+    if STOCHASTIC:  # this step's key of the param's random stream (``storage.rounding_key``)
+        key = tl.load(keys + tensor)
+    tile = tl.arange(0, TB)
+    k = tl.arange(0, QB)
+    if whole != 0:  # rows of whole blocks, aligned: the tile is one contiguous run; pointers loaded here so
+        # the alignment hints stay on this branch
+{whole_ptrs}
+        for b0 in range(first, last, TB):
+            blocks = b0 + tile
+            block_mask = blocks < last
+            mask = block_mask[:, None]
+            offs = tl.multiple_of(b0 * QB, QB) + tile[:, None] * QB + k[None, :]
+{whole_body}
+    else:  # ragged rows or odd addresses: per-block offsets, masked to each block's length
+{ragged_ptrs}
+        for b0 in range(first, last, TB):
+            blocks = b0 + tile
+            block_mask = blocks < last
+            r = blocks // per_row
+            j = blocks - r * per_row
+            n_in = tl.minimum(length - j * QB, QB)
+            mask = block_mask[:, None] & (k[None, :] < n_in[:, None])
+            offs = (r * length + j * QB)[:, None] + k[None, :]
+{ragged_body}
+'''
+
+
+def _ptrs(formats: Sequence[Format | None], hinted: bool, rounding: str) -> str:
+    def ptr(col: int, kind: str) -> str:
+        text = f"tl.load(row + {col}).to(tl.pointer_type({kind}))"
+        return f"tl.multiple_of({text}, {ALIGN})" if hinted else text
+
+    value = "tl.float32" if rounding == "nearest" else "tl.int16"  # bf16 params: their bits
+    lines = [f"p_ptr = {ptr(4, value)}", f"g_ptr = {ptr(5, value)}"]
+    col = 6
+    if rounding == "kahan":  # the compensation: what rounding the param to bf16 lost, bf16
+        lines.append(f"comp_ptr = {ptr(col, 'tl.int16')}")
+        col += 1
+    for i, fmt in enumerate(formats):
+        if fmt is None:
+            continue
+        if fmt.bits == 16:
+            lines.append(f"s{i}_ptr = {ptr(col, 'tl.int16')}")
+            col += 1
+        else:
+            lines.append(f"s{i}_codes = {ptr(col, 'tl.uint8')}")
+            lines.append(f"s{i}_absmax = tl.load(row + {col + 1}).to(tl.pointer_type(tl.float32))")
+            col += 2
+    return "\n".join(" " * 8 + line for line in lines)
+
+
+def _load_state(i: int, fmt: Format, whole: bool) -> list[str]:
+    if fmt.bits == 16:  # bf16 bits widened exactly: the top half of the fp32 pattern
+        return [f"s{i} = (tl.load(s{i}_ptr + offs, mask=mask, other=0).to(tl.int32) << 16)"
+                f".to(tl.float32, bitcast=True)"]
+    lines = [f"s{i}_amax = tl.load(s{i}_absmax + blocks, mask=block_mask, other=0.0)"]
+    if fmt.bits == 8:
+        lines.append(f"s{i}_code = tl.load(s{i}_codes + offs, mask=mask, other=0).to(tl.int32)")
+    else:  # two codes a byte along the row, the first in the low nibble
+        lines += [f"s{i}_byte = tl.load(s{i}_codes + byte_offs, mask=byte_mask, other=0).to(tl.int32)",
+                  f"s{i}_code = tl.reshape(tl.join(s{i}_byte & 15, s{i}_byte >> 4), (TB, QB))"]
+    lines.append(f"s{i} = tl.load(s{i}_map + s{i}_code) * s{i}_amax[:, None]")
+    return lines
+
+
+def _store_state(i: int, fmt: Format, out: str) -> list[str]:
+    if fmt.bits == 16:  # round to nearest even on the bits, as torch does; a NaN is stored as 0x7FC0
+        return [f"s{i}_bits = {out}.to(tl.int32, bitcast=True)",
+                f"s{i}_bf16 = (s{i}_bits + 0x7FFF + ((s{i}_bits >> 16) & 1)) >> 16",
+                f"s{i}_bf16 = tl.where({out} != {out}, 0x7FC0, s{i}_bf16)",
+                f"tl.store(s{i}_ptr + offs, s{i}_bf16.to(tl.int16), mask=mask)"]
+    enc = quant.encoder(fmt.qmap)
+    lines = [f"s{i}_new = {out}",
+             # absmax through the bits: integer max orders |x| as the values do
+             f"s{i}_mag = tl.where(mask, s{i}_new.to(tl.int32, bitcast=True) & 0x7FFFFFFF, 0)",
+             # (tl.reduce with the standard combine, not tl.max: a jit function chosen when triton is imported,
+             # which the interpreter cannot call when it is switched on later)
+             f"s{i}_amax = tl.reduce(s{i}_mag, 1, tl.standard._elementwise_max).to(tl.float32, bitcast=True)",
+             f"s{i}_div = tl.where(s{i}_amax == 0.0, 1.0, s{i}_amax)",
+             f"s{i}_y = tl.div_rn(s{i}_new, s{i}_div[:, None]).to(tl.int32, bitcast=True)",
+             f"s{i}_neg = s{i}_y < 0",
+             f"s{i}_m = tl.minimum(tl.maximum(s{i}_y & 0x7FFFFFFF, {enc.lowest}), {enc.highest})",
+             f"s{i}_entry = tl.load(s{i}_lut + (((s{i}_m - {enc.lowest}) >> {enc.shift}) "
+             f"+ tl.where(s{i}_neg, {enc.half}, 0)))",
+             f"s{i}_low = (s{i}_m & {enc.mask}) ^ tl.where(s{i}_neg, {enc.mask}, 0)",
+             f"s{i}_code = ((s{i}_entry >> 24) & 255) + (s{i}_low > (s{i}_entry & {enc.mask})).to(tl.int32)",
+             f"s{i}_code = tl.where(mask, s{i}_code, 0)"]  # past a row's end: a 4-bit pad nibble is 0
+    if fmt.bits == 8:
+        lines.append(f"tl.store(s{i}_codes + offs, s{i}_code.to(tl.uint8), mask=mask)")
+    else:
+        lines += [f"s{i}_even, s{i}_odd = tl.split(tl.reshape(s{i}_code, (TB, QB // 2, 2)))",
+                  f"tl.store(s{i}_codes + byte_offs, (s{i}_even | (s{i}_odd << 4)).to(tl.uint8), mask=byte_mask)"]
+    lines.append(f"tl.store(s{i}_absmax + blocks, s{i}_amax, mask=block_mask)")
+    return lines
+
+
+def _bf16_nearest(x: str, bits: str) -> str:
+    """uint32 whose low half is fp32 ``x`` (its bits ``bits``) rounded to bf16, nearest even, as torch rounds."""
+    return f"tl.where({x} != {x}, 0x7FC0, ({bits} + 0x7FFF + (({bits} >> 16) & 1)) >> 16)"
+
+
+def _store_param(rounding: str) -> list[str]:
+    if rounding == "nearest":
+        return ["tl.store(p_ptr + offs, out[0], mask=mask)"]
+    if rounding == "kahan":  # ``storage.round_into``: the param to nearest, what that lost into the compensation
+        return ["p_bits = out[0].to(tl.uint32, bitcast=True)",
+                f"p_new = {_bf16_nearest('out[0]', 'p_bits')}",
+                "tl.store(p_ptr + offs, p_new.to(tl.int16), mask=mask)",
+                "lost = out[0] - (p_new << 16).to(tl.float32, bitcast=True)",
+                "lost_bits = lost.to(tl.uint32, bitcast=True)",
+                f"tl.store(comp_ptr + offs, ({_bf16_nearest('lost', 'lost_bits')}).to(tl.int16), mask=mask)"]
+    # ``storage.stochastic_round``: 16 bits of mix32(index + key) added to the fp32 pattern's low half, which
+    # is then dropped (integer operations, so the GPU and the interpreter agree); NaN and inf to nearest
+    return ["p_bits = out[0].to(tl.uint32, bitcast=True)",
+            "h = (offs + key).to(tl.uint32)",
+            "h = h ^ (h >> 16)",
+            "h = h * 0x7FEB352D",
+            "h = h ^ (h >> 15)",
+            "h = h * 0x846CA68B",
+            "h = h ^ (h >> 16)",
+            "p_up = (p_bits + (h >> 16)) >> 16",
+            f"p_near = {_bf16_nearest('out[0]', 'p_bits')}",
+            "p_new = tl.where((p_bits & 0x7F800000) == 0x7F800000, p_near, p_up)",
+            "tl.store(p_ptr + offs, p_new.to(tl.int16), mask=mask)"]
+
+
+def _body(formats: Sequence[Format | None], n_scalars: int, n_flags: int, whole: bool, rounding: str) -> str:
+    lines = []
+    if any(f is not None and f.bits == 4 for f in formats):
+        kb = "tl.arange(0, QB // 2)"
+        if whole:
+            lines += ["byte_offs = tl.multiple_of(b0 * (QB // 2), QB // 2) + tile[:, None] * (QB // 2)"
+                      f" + {kb}[None, :]",
+                      "byte_mask = block_mask[:, None]"]
+        else:
+            lines += [f"byte_offs = (r * ((length + 1) // 2) + j * (QB // 2))[:, None] + {kb}[None, :]",
+                      f"byte_mask = block_mask[:, None] & ({kb}[None, :] < ((n_in + 1) // 2)[:, None])"]
+    if rounding != "nearest":  # bf16 bits widened exactly
+        lines += [f"{x} = (tl.load({x}_ptr + offs, mask=mask, other=0).to(tl.int32) << 16)"
+                  f".to(tl.float32, bitcast=True)" for x in ("p", "g")]
+        if rounding == "kahan":  # the param as the compensated sum (``storage.run_staged``)
+            lines += ["p = p + (tl.load(comp_ptr + offs, mask=mask, other=0).to(tl.int32) << 16)"
+                      ".to(tl.float32, bitcast=True)"]
+    else:
+        lines += ["p = tl.load(p_ptr + offs, mask=mask, other=0.0)",
+                  "g = tl.load(g_ptr + offs, mask=mask, other=0.0)"]
+    lines += ["if HAS_GRAD_MUL:",
+              "    g = g * g_mul"]
+    args = []
+    for i, fmt in enumerate(formats):
+        if fmt is None:
+            args.append("None")
+            continue
+        lines += _load_state(i, fmt, whole)
+        args.append(f"s{i}")
+    args += [f"c{i}" for i in range(n_scalars)] + [f"F{i}" for i in range(n_flags)]
+    lines.append(f"out = UPDATE(p, g, {', '.join(args)})")
+    lines += _store_param(rounding)
+    for i, fmt in enumerate(formats):
+        if fmt is not None:
+            lines += _store_state(i, fmt, f"out[{i + 1}]")
+    return "\n".join(" " * 12 + line for line in lines)
+
+
+def row_length(formats: Sequence[Format | None], rounding: str = "nearest") -> int:
+    """int64 columns of one tensor's table row: n_blocks, length, blocks per row, whole, p, g, with Kahan
+    rounding the compensation, then per state its bf16 address or its codes' and absmax's."""
+    return 6 + (rounding == "kahan") + sum(0 if f is None else 1 if f.bits == 16 else 2 for f in formats)
+
+
+@lru_cache(maxsize=None)
+def kernel_for(update: Callable, formats: tuple, n_scalars: int, n_flags: int, interpret: bool = False,
+               rounding: str = "nearest"):
+    """The kernel for one rule, one tuple of state formats (None: inactive) and one rounding of the params
+    (``ROUNDINGS``)."""
+    if rounding not in ROUNDINGS:
+        raise ValueError(f"rounding {rounding!r} is not one of {ROUNDINGS}")
+    tag = "_".join("x" if f is None else f.tag.replace("/", "b") for f in formats)
+    name = f"{update.__name__}_stored_{tag}" + ("" if rounding == "nearest" else f"_bf16_{rounding}")
+    maps = [i for i, f in enumerate(formats) if f is not None and f.quantized]
+    source = _TEMPLATE.format(
+        name=name,
+        map_args="".join(f"s{i}_map, s{i}_lut, " for i in maps),
+        scalar_args="".join(f"c{i}, " for i in range(n_scalars)),
+        scalar_loads="\n".join(f"        c{i} = tl.load(scalars + {i})" for i in range(n_scalars)) or "        pass",
+        flag_args=", ".join(f"F{i}: tl.constexpr" for i in range(n_flags)),
+        row_len=row_length(formats, rounding),
+        whole_ptrs=_ptrs(formats, True, rounding), ragged_ptrs=_ptrs(formats, False, rounding),
+        whole_body=_body(formats, n_scalars, n_flags, True, rounding),
+        ragged_body=_body(formats, n_scalars, n_flags, False, rounding),
+    )
+    globs = {"tl": tl, "triton": triton, "UPDATE": triton_twin(update, interpret)}
+    fn = _exec_source(source, f"<fastoptim-kernel {name}>", name, globs)
+    fn.__module__ = __name__
+    fn.__qualname__ = name
+    return _jit(fn, interpret)
+
+
+# --- tables ---------------------------------------------------------------------------------------------
+
+def _layout(p: Tensor, bits: int) -> tuple[int, int, int]:
+    """(blocks, row length, blocks per row) the kernel walks for ``p``."""
+    if bits in (8, 4):
+        rows, length = quant.rows_of(p.shape)
+        per_row = -(-length // quant.BLOCK[bits])
+        return rows * per_row, length, per_row
+    per_row = -(-p.numel() // PIECE)
+    return per_row, p.numel(), per_row
+
+
+class StoredTable:
+    """The device-memory table and work list of one group of params (one tuple of formats), rebuilt only
+    when an address changes."""
+
+    def __init__(self):
+        self.key = None
+
+    def update(self, params, grads, states, formats, comps=None) -> None:
+        """``comps``: with Kahan rounding, each param's compensation."""
+        addresses = [t.data_ptr() for t in params] + [t.data_ptr() for t in grads]
+        addresses += [t.data_ptr() for t in comps or ()]
+        for column, fmt in zip(states, formats):
+            if fmt is not None:
+                addresses += [s.data_ptr() if fmt.bits == 16 else (s.codes.data_ptr(), s.absmax.data_ptr())
+                              for s in column]
+        if addresses == self.key:
+            return
+        bits = next(f.bits for f in formats if f is not None)
+        per_program = CHUNK_TILES * tile_blocks(bits)
+        rows, work = [], []
+        for t, (p, g) in enumerate(zip(params, grads)):
+            n_blocks, length, per_row = _layout(p, bits)
+            columns = [p.data_ptr(), g.data_ptr()]
+            bases = [p.data_ptr(), g.data_ptr()]
+            if comps is not None:
+                columns.append(comps[t].data_ptr())
+                bases.append(comps[t].data_ptr())
+            for column, fmt in zip(states, formats):
+                if fmt is None:
+                    continue
+                s = column[t]
+                if fmt.bits == 16:
+                    columns.append(s.data_ptr())
+                    bases.append(s.data_ptr())
+                else:
+                    columns += [s.codes.data_ptr(), s.absmax.data_ptr()]
+                    bases.append(s.codes.data_ptr())
+            whole = length % block_of(bits) == 0 and all(a % ALIGN == 0 for a in bases)
+            rows.append([n_blocks, length, per_row, int(whole), *columns])
+            work += [(t, b) for b in range(0, n_blocks, per_program)]
+        device = params[0].device
+        self.table = torch.tensor(rows, dtype=torch.int64).to(device)
+        self.work = torch.tensor(work, dtype=torch.int64).to(device)
+        self.n_programs = len(work)
+        self.key = addresses
+
+
+@lru_cache(maxsize=None)
+def _maps(qmap: quant.QuantMap, device: torch.device) -> tuple[Tensor, Tensor]:
+    return qmap.table(device), quant.encoder(qmap, device).lut
+
+
+def run(update: Callable, params: list[Tensor], grads: list[Tensor], states: list[list | None], formats: tuple,
+        scalars: tuple, flags: tuple, table: StoredTable, grad_mul: Tensor | None = None,
+        found_inf: Tensor | None = None, rounding_keys: Tensor | None = None,
+        comps: list[Tensor] | None = None) -> None:
+    """One launch over params that all have state ``formats`` (see ``signature``). bf16 params: rounded
+    stochastically with ``rounding_keys`` (one per param, ``storage.rounding_keys``), or with Kahan's
+    compensations ``comps`` (bf16, one per param)."""
+    bits = next(f.bits for f in formats if f is not None)
+    stochastic = rounding_keys is not None
+    rounding = "stochastic" if stochastic else "kahan" if comps is not None else "nearest"
+    kernel = kernel_for(update, formats, len(scalars), len(flags), interpreting(), rounding)
+    table.update(params, grads, states, formats, comps)
+    device = params[0].device
+    maps = []
+    for fmt in formats:
+        if fmt is not None and fmt.quantized:
+            maps += list(_maps(fmt.qmap, device))
+    dummy = table.table
+    in_memory = any(isinstance(c, Tensor) for c in scalars)
+    packed = pack_scalars(scalars, device) if in_memory else dummy
+    took("triton_stored")
+    kernel[(table.n_programs,)](
+        table.table, table.work, grad_mul if grad_mul is not None else dummy,
+        found_inf if found_inf is not None else dummy, packed,
+        rounding_keys.to(device, non_blocking=True) if stochastic else dummy, *maps,
+        *[0.0 if in_memory else float(c) for c in scalars],
+        TB=tile_blocks(bits), QB=block_of(bits), CHUNK_TILES=CHUNK_TILES, STOCHASTIC=stochastic,
+        HAS_GRAD_MUL=grad_mul is not None, HAS_INF=found_inf is not None, SCALARS_IN_MEMORY=in_memory,
+        **{f"F{i}": bool(f) for i, f in enumerate(flags)}, num_warps=NUM_WARPS, enable_fp_fusion=False)
+
+
+# --- ahead-of-time compile ---------------------------------------------------------------------------
+
+def compile_for_gpu(rule, group: dict, formats: tuple, capability: int = 90, grad_mul: bool = False,
+                    found_inf: bool = False, rounding: str = "nearest"):
+    """Compile the rule's stored-state kernel for ``sm_<capability>`` (PTX and cubin) on any machine."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    flags = rule.flags(group)
+    n_scalars = len(rule.scalars(group, 1))
+    bits = next(f.bits for f in formats if f is not None)
+    kernel = kernel_for(rule.update, formats, n_scalars, len(flags), False, rounding)
+    signature = {"table": "*i64", "work": "*i64", "grad_mul": "*fp32", "found_inf": "*fp32", "scalars": "*fp32",
+                 "keys": "*i64"}
+    for i, fmt in enumerate(formats):
+        if fmt is not None and fmt.quantized:
+            signature.update({f"s{i}_map": "*fp32", f"s{i}_lut": "*i32"})
+    signature.update({f"c{i}": "fp32" for i in range(n_scalars)})
+    constants = dict(TB=tile_blocks(bits), QB=block_of(bits), CHUNK_TILES=CHUNK_TILES,
+                     STOCHASTIC=rounding == "stochastic",
+                     HAS_GRAD_MUL=grad_mul,
+                     HAS_INF=found_inf, SCALARS_IN_MEMORY=False, **{f"F{i}": bool(f) for i, f in enumerate(flags)})
+    signature.update({name: "constexpr" for name in constants})
+    return triton.compile(ASTSource(kernel, signature, constexprs=constants),
+                          target=GPUTarget("cuda", capability, 32),
+                          options={"num_warps": NUM_WARPS, "enable_fp_fusion": False})
