@@ -90,12 +90,31 @@ PRELUDE = r"""
 #include <cstdint>
 #include <cstring>
 #include <cmath>
-#if defined(__AVX2__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VBMI__)
+#include <immintrin.h>
+#define FO_AVX512 1
+#define FO_AVX2 1
+#elif defined(__AVX2__)
 #include <immintrin.h>
 #define FO_AVX2 1
 #endif
 
+// the vector width this build's codec runs at (512, 256, or 0: scalar)
+extern "C" int fo_simd_width() {
+#if defined(FO_AVX512)
+    return 512;
+#elif defined(FO_AVX2)
+    return 256;
+#else
+    return 0;
+#endif
+}
+
 static inline float fo_maximum(float a, float b) { return (a != a || b != b) ? a + b : (a > b ? a : b); }
+
+// |x|'s bits: integer max over them orders them as the values (NaN above inf), so it finds the block's absmax
+static inline uint32_t magnitude_bits(float x) { uint32_t u; std::memcpy(&u, &x, 4); return u & 0x7FFFFFFFu; }
+static inline float from_bits(uint32_t u) { float x; std::memcpy(&x, &u, 4); return x; }
 
 // bf16 <-> fp32 as torch converts: widening is exact; narrowing rounds to nearest even, NaN stays quiet NaN
 static inline void bf16_load(const uint16_t* src, int64_t n, float* out) {
@@ -109,25 +128,88 @@ static inline void bf16_store(const float* in, int64_t n, uint16_t* dst) {
     }
 }
 
+// one quantized state's map: its values and quant.Encoder's table; with AVX-512 also the map in registers
+struct Codec {
+    const float* values;
+    const uint32_t* lut;
+#ifdef FO_AVX512
+    __m512i planes[4][4];  // 8 bits: byte j of value k at planes[j][k / 64], byte k % 64
+    __m512 table;          // 4 bits: the 16 values
+    __m512 bounds;         // 4 bits: the 15 boundaries (quant.QuantMap.boundaries), ascending
+#endif
+};
+
+static inline Codec make_codec(const void* values, const void* lut, const float* bounds, int bits) {
+    Codec c;
+    c.values = static_cast<const float*>(values);
+    c.lut = static_cast<const uint32_t*>(lut);
+#ifdef FO_AVX512
+    if (bits == 8) {
+        alignas(64) uint8_t bytes[4][256];
+        for (int k = 0; k < 256; ++k) {
+            uint32_t u; std::memcpy(&u, c.values + k, 4);
+            for (int j = 0; j < 4; ++j) bytes[j][k] = (uint8_t)(u >> (8 * j));
+        }
+        for (int j = 0; j < 4; ++j)
+            for (int q = 0; q < 4; ++q) c.planes[j][q] = _mm512_load_si512(bytes[j] + 64 * q);
+    } else {
+        c.table = _mm512_loadu_ps(c.values);
+        c.bounds = _mm512_mask_loadu_ps(_mm512_set1_ps(INFINITY), 0x7FFF, bounds);
+    }
+#else
+    (void)bits; (void)bounds;
+#endif
+    return c;
+}
+
 // out[i] = values[code i] * absmax; 8-bit codes one a byte
-static inline void decode8(const uint8_t* c, int64_t n, const float* values, float absmax, float* out) {
+static inline void decode8(const uint8_t* c, int64_t n, const Codec& codec, float absmax, float* out) {
     int64_t i = 0;
-#ifdef FO_AVX2
+#if defined(FO_AVX512)
+    // 64 codes at a time: each byte of the 64 values looked up in registers (two 128-entry permutes, the
+    // code's top bit picks one), then the four byte vectors interleaved into 64 floats. The codes are first
+    // put in the order the in-lane interleave undoes.
+    const __m512i order = _mm512_loadu_si512(FO_INTERLEAVE_ORDER);
+    const __m512 a = _mm512_set1_ps(absmax);
+    for (; i + 64 <= n; i += 64) {
+        const __m512i idx = _mm512_permutexvar_epi8(order, _mm512_loadu_si512(c + i));
+        const __mmask64 top = _mm512_movepi8_mask(idx);
+        __m512i b[4];
+        for (int j = 0; j < 4; ++j)
+            b[j] = _mm512_mask_blend_epi8(top, _mm512_permutex2var_epi8(codec.planes[j][0], idx, codec.planes[j][1]),
+                                          _mm512_permutex2var_epi8(codec.planes[j][2], idx, codec.planes[j][3]));
+        const __m512i lo01 = _mm512_unpacklo_epi8(b[0], b[1]), hi01 = _mm512_unpackhi_epi8(b[0], b[1]);
+        const __m512i lo23 = _mm512_unpacklo_epi8(b[2], b[3]), hi23 = _mm512_unpackhi_epi8(b[2], b[3]);
+        _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpacklo_epi16(lo01, lo23)), a));
+        _mm512_storeu_ps(out + i + 16, _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpackhi_epi16(lo01, lo23)), a));
+        _mm512_storeu_ps(out + i + 32, _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpacklo_epi16(hi01, hi23)), a));
+        _mm512_storeu_ps(out + i + 48, _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpackhi_epi16(hi01, hi23)), a));
+    }
+#elif defined(FO_AVX2)
     const __m256 a = _mm256_set1_ps(absmax);
     for (; i + 8 <= n; i += 8) {
         const __m256i idx = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(c + i)));
-        _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_i32gather_ps(values, idx, 4), a));
+        _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_i32gather_ps(codec.values, idx, 4), a));
     }
 #endif
-    for (; i < n; ++i) out[i] = values[c[i]] * absmax;
+    for (; i < n; ++i) out[i] = codec.values[c[i]] * absmax;
 }
 
 // 4-bit codes two a byte, the first in the low nibble
-static inline void decode4(const uint8_t* c, int64_t n, const float* values, float absmax, float* out) {
+static inline void decode4(const uint8_t* c, int64_t n, const Codec& codec, float absmax, float* out) {
     int64_t i = 0;
-#ifdef FO_AVX2
+#if defined(FO_AVX512)
+    const __m512 a = _mm512_set1_ps(absmax);
+    const __m128i pairs = _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+    const __m512i nibble = _mm512_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4);
+    for (; i + 16 <= n; i += 16) {  // 8 bytes: 16 codes (the permute reads an index's low 4 bits only)
+        const __m128i bytes = _mm_shuffle_epi8(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(c + i / 2)), pairs);
+        const __m512i idx = _mm512_srlv_epi32(_mm512_cvtepu8_epi32(bytes), nibble);
+        _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_permutexvar_ps(idx, codec.table), a));
+    }
+#elif defined(FO_AVX2)
     const __m256 a = _mm256_set1_ps(absmax);
-    const __m256 low_half = _mm256_loadu_ps(values), high_half = _mm256_loadu_ps(values + 8);
+    const __m256 low_half = _mm256_loadu_ps(codec.values), high_half = _mm256_loadu_ps(codec.values + 8);
     const __m256i nibble = _mm256_set1_epi32(15), eight = _mm256_set1_epi32(8);
     for (; i + 16 <= n; i += 16) {  // 8 bytes: 16 codes
         const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(c + i / 2)));
@@ -142,62 +224,106 @@ static inline void decode4(const uint8_t* c, int64_t n, const float* values, flo
         _mm256_storeu_ps(out + i + 8, _mm256_permute2f128_ps(first, second, 0x31));
     }
 #endif
-    for (; i < n; ++i) out[i] = values[(c[i / 2] >> ((i & 1) * 4)) & 15] * absmax;
-}
-
-// the block's absmax: the largest |x|, through the bits (integer max orders them as the values; NaN wins)
-static inline float block_absmax(const float* x, int64_t n) {
-    uint32_t top = 0;
-    for (int64_t i = 0; i < n; ++i) {
-        uint32_t u; std::memcpy(&u, x + i, 4);
-        u &= 0x7FFFFFFFu;
-        top = u > top ? u : top;
-    }
-    float out; std::memcpy(&out, &top, 4);
-    return out;
+    for (; i < n; ++i) out[i] = codec.values[(c[i / 2] >> ((i & 1) * 4)) & 15] * absmax;
 }
 
 // quant.Encoder: the code of x / divisor, one table read and integer compares
 template <int SHIFT, uint32_t LOWEST, uint32_t HIGHEST, int32_t HALF>
-static inline void encode(const float* x, int64_t n, float divisor, const uint32_t* lut, int32_t* out) {
+static inline uint32_t encode_one(float x, float divisor, const uint32_t* lut) {
     constexpr uint32_t MASK = (1u << SHIFT) - 1u;
-    int64_t i = 0;
-#ifdef FO_AVX2
-    const __m256 d = _mm256_set1_ps(divisor);
-    const __m256i mask = _mm256_set1_epi32((int32_t)MASK), magnitude = _mm256_set1_epi32(0x7FFFFFFF);
-    const __m256i lowest = _mm256_set1_epi32((int32_t)LOWEST), highest = _mm256_set1_epi32((int32_t)HIGHEST);
-    const __m256i half = _mm256_set1_epi32(HALF), one = _mm256_set1_epi32(1);
-    for (; i + 8 <= n; i += 8) {
-        const __m256i u = _mm256_castps_si256(_mm256_div_ps(_mm256_loadu_ps(x + i), d));
-        const __m256i m = _mm256_min_epu32(_mm256_max_epu32(_mm256_and_si256(u, magnitude), lowest), highest);
-        const __m256i negative = _mm256_srai_epi32(u, 31);
-        const __m256i cell = _mm256_add_epi32(_mm256_srli_epi32(_mm256_sub_epi32(m, lowest), SHIFT), _mm256_and_si256(negative, half));
-        const __m256i entry = _mm256_i32gather_epi32(reinterpret_cast<const int*>(lut), cell, 4);
-        const __m256i low = _mm256_xor_si256(_mm256_and_si256(m, mask), _mm256_and_si256(negative, mask));
-        const __m256i split = _mm256_and_si256(entry, mask);  // low > split, unsigned (both < 2**31)
-        const __m256i up = _mm256_and_si256(_mm256_cmpgt_epi32(low, split), one);
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), _mm256_add_epi32(_mm256_srli_epi32(entry, 24), up));
-    }
-#endif
-    for (; i < n; ++i) {
-        const float y = x[i] / divisor;
-        uint32_t u; std::memcpy(&u, &y, 4);
-        uint32_t m = u & 0x7FFFFFFFu;
-        m = m < LOWEST ? LOWEST : (m > HIGHEST ? HIGHEST : m);
-        const uint32_t entry = lut[((m - LOWEST) >> SHIFT) + ((u >> 31) ? (uint32_t)HALF : 0u)];
-        const uint32_t low = (m & MASK) ^ ((u >> 31) ? MASK : 0u);
-        out[i] = (int32_t)(entry >> 24) + (int32_t)(low > (entry & MASK));
-    }
+    const float y = x / divisor;
+    uint32_t u; std::memcpy(&u, &y, 4);
+    uint32_t m = u & 0x7FFFFFFFu;
+    m = m < LOWEST ? LOWEST : (m > HIGHEST ? HIGHEST : m);
+    const uint32_t entry = lut[((m - LOWEST) >> SHIFT) + ((u >> 31) ? (uint32_t)HALF : 0u)];
+    const uint32_t low = (m & MASK) ^ ((u >> 31) ? MASK : 0u);
+    return (entry >> 24) + (uint32_t)(low > (entry & MASK));
 }
 
-static inline void pack8(const int32_t* codes, int64_t n, uint8_t* c) {
-    for (int64_t i = 0; i < n; ++i) c[i] = (uint8_t)codes[i];
+#ifdef FO_AVX2
+template <int SHIFT, uint32_t LOWEST, uint32_t HIGHEST, int32_t HALF>
+static inline __m256i encode8_lanes(__m256 x, __m256 d, const uint32_t* lut) {
+    const __m256i mask = _mm256_set1_epi32((int32_t)((1u << SHIFT) - 1u)), magnitude = _mm256_set1_epi32(0x7FFFFFFF);
+    const __m256i lowest = _mm256_set1_epi32((int32_t)LOWEST), highest = _mm256_set1_epi32((int32_t)HIGHEST);
+    const __m256i half = _mm256_set1_epi32(HALF), one = _mm256_set1_epi32(1);
+    const __m256i u = _mm256_castps_si256(_mm256_div_ps(x, d));
+    const __m256i m = _mm256_min_epu32(_mm256_max_epu32(_mm256_and_si256(u, magnitude), lowest), highest);
+    const __m256i negative = _mm256_srai_epi32(u, 31);
+    const __m256i cell = _mm256_add_epi32(_mm256_srli_epi32(_mm256_sub_epi32(m, lowest), SHIFT), _mm256_and_si256(negative, half));
+    const __m256i entry = _mm256_i32gather_epi32(reinterpret_cast<const int*>(lut), cell, 4);
+    const __m256i low = _mm256_xor_si256(_mm256_and_si256(m, mask), _mm256_and_si256(negative, mask));
+    const __m256i split = _mm256_and_si256(entry, mask);  // low > split, unsigned (both < 2**31)
+    const __m256i up = _mm256_and_si256(_mm256_cmpgt_epi32(low, split), one);
+    return _mm256_add_epi32(_mm256_srli_epi32(entry, 24), up);
 }
-static inline void pack4(const int32_t* codes, int64_t n, uint8_t* c) {  // an odd last code: high nibble 0
-    for (int64_t i = 0; i < n / 2; ++i) c[i] = (uint8_t)(codes[2 * i] | (codes[2 * i + 1] << 4));
-    if (n & 1) c[n / 2] = (uint8_t)codes[n - 1];
+#endif
+
+// 8-bit codes of x / divisor, one a byte
+template <int SHIFT, uint32_t LOWEST, uint32_t HIGHEST, int32_t HALF>
+static inline void encode8(const float* x, int64_t n, float divisor, const Codec& codec, uint8_t* c) {
+    int64_t i = 0;
+#if defined(FO_AVX512)
+    const __m256 d = _mm256_set1_ps(divisor);
+    for (; i + 16 <= n; i += 16) {
+        const __m256i first = encode8_lanes<SHIFT, LOWEST, HIGHEST, HALF>(_mm256_loadu_ps(x + i), d, codec.lut);
+        const __m256i second = encode8_lanes<SHIFT, LOWEST, HIGHEST, HALF>(_mm256_loadu_ps(x + i + 8), d, codec.lut);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(c + i), _mm512_cvtepi32_epi8(_mm512_inserti64x4(_mm512_castsi256_si512(first), second, 1)));
+    }
+#elif defined(FO_AVX2)
+    const __m256 d = _mm256_set1_ps(divisor);
+    alignas(32) int32_t codes[8];
+    for (; i + 8 <= n; i += 8) {
+        _mm256_store_si256(reinterpret_cast<__m256i*>(codes), encode8_lanes<SHIFT, LOWEST, HIGHEST, HALF>(_mm256_loadu_ps(x + i), d, codec.lut));
+        for (int k = 0; k < 8; ++k) c[i + k] = (uint8_t)codes[k];
+    }
+#endif
+    for (; i < n; ++i) c[i] = (uint8_t)encode_one<SHIFT, LOWEST, HIGHEST, HALF>(x[i], divisor, codec.lut);
+}
+
+// 4-bit codes of x / divisor, two a byte (the first in the low nibble; an odd last code: high nibble 0)
+template <int SHIFT, uint32_t LOWEST, uint32_t HIGHEST, int32_t HALF>
+static inline void encode4(const float* x, int64_t n, float divisor, const Codec& codec, uint8_t* c) {
+    int64_t i = 0;
+#if defined(FO_AVX512)
+    // the code is the count of boundaries below the quotient: a binary search over the 15 boundaries held in
+    // one register. The quotient's magnitude is first clamped to [LOWEST, HIGHEST] as quant.Encoder clamps
+    // it (no boundary lies outside, and a NaN reads as +-1), so the float compares see no NaN.
+    const __m512 d = _mm512_set1_ps(divisor);
+    const __m512i magnitude = _mm512_set1_epi32(0x7FFFFFFF);
+    const __m512i lowest = _mm512_set1_epi32((int32_t)LOWEST), highest = _mm512_set1_epi32((int32_t)HIGHEST);
+    for (; i + 16 <= n; i += 16) {
+        const __m512i u = _mm512_castps_si512(_mm512_div_ps(_mm512_loadu_ps(x + i), d));
+        const __m512i m = _mm512_min_epu32(_mm512_max_epu32(_mm512_and_si512(u, magnitude), lowest), highest);
+        const __m512 y = _mm512_castsi512_ps(_mm512_ternarylogic_epi32(m, u, magnitude, 0xE4));  // m's bits, u's sign
+        __m512i code = _mm512_setzero_si512();
+        for (int step = 8; step >= 1; step /= 2) {
+            const __m512 bound = _mm512_permutexvar_ps(_mm512_add_epi32(code, _mm512_set1_epi32(step - 1)), codec.bounds);
+            code = _mm512_mask_add_epi32(code, _mm512_cmp_ps_mask(y, bound, _CMP_GT_OQ), code, _mm512_set1_epi32(step));
+        }
+        // pairs of codes (one 64-bit lane each) into one byte: low code | high code << 4
+        _mm_storel_epi64(reinterpret_cast<__m128i*>(c + i / 2), _mm512_cvtepi64_epi8(_mm512_or_si512(code, _mm512_srli_epi64(code, 28))));
+    }
+#endif
+    for (; i + 1 < n; i += 2)
+        c[i / 2] = (uint8_t)(encode_one<SHIFT, LOWEST, HIGHEST, HALF>(x[i], divisor, codec.lut) |
+                             (encode_one<SHIFT, LOWEST, HIGHEST, HALF>(x[i + 1], divisor, codec.lut) << 4));
+    if (i < n) c[i / 2] = (uint8_t)encode_one<SHIFT, LOWEST, HIGHEST, HALF>(x[i], divisor, codec.lut);
 }
 """
+
+
+def _interleave_order() -> str:
+    """The byte order that decode8's in-lane interleave (bytes -> words -> dwords) turns into code order: the
+    dword for code 16q + 4l + e comes from byte 16l + 4q + e (q: output vector, l: 128-bit lane, e: element)."""
+    order = [0] * 64
+    for q in range(4):
+        for lane in range(4):
+            for e in range(4):
+                order[16 * lane + 4 * q + e] = 16 * q + 4 * lane + e
+    return f"alignas(64) static const uint8_t FO_INTERLEAVE_ORDER[64] = {{{', '.join(map(str, order))}}};\n"
+
+
+PRELUDE = PRELUDE.replace("// one quantized state's map", _interleave_order() + "\n// one quantized state's map", 1)
 
 
 def _column_names(formats: Sequence[Format | None]) -> list[str]:
@@ -218,14 +344,18 @@ def kernel_source(update: Callable, flags: tuple, formats: tuple, n_scalars: int
     cols = _column_names(formats)
     col = {name: k for k, name in enumerate(cols)}
     active = [k for k, f in enumerate(formats) if f is not None]
+    quantized = [k for k in active if formats[k].quantized]
     lines, outputs = cpp_twin.trace(update, ["p_", "g_"] + [f"s{k}_" if f is not None else "" for k, f in
                                                             enumerate(formats)],
                                     [f"sc[{k}]" for k in range(n_scalars)], flags)
     body = "\n".join(f"            {line}" for line in lines)
     writes = [f"            P[i] = {outputs[0]};"]
     writes += [f"            S{k}[i] = {outputs[1 + k]};" for k in active]
+    # each quantized state's absmax, taken as its new values are written (no pass of its own)
+    writes += [f"            top{k} = top{k} > magnitude_bits({outputs[1 + k]}) ? top{k} : magnitude_bits({outputs[1 + k]});"
+               for k in quantized]
 
-    loads, stores = [], []
+    constants, codecs, loads, stores = [], [], [], []
     for k in active:
         fmt = formats[k]
         if fmt.bits == 16:
@@ -233,28 +363,32 @@ def kernel_source(update: Callable, flags: tuple, formats: tuple, n_scalars: int
             loads.append(f"        bf16_load({ptr}, n, S{k});")
             stores.append(f"        bf16_store(S{k}, n, {ptr});")
             continue
+        bounds = "nullptr"
+        if fmt.bits == 4:
+            literals = ", ".join(cpp_twin._literal(v) for v in fmt.qmap.boundaries().tolist())
+            constants.append(f"static const float BOUNDS{k}[15] = {{{literals}}};")
+            bounds = f"BOUNDS{k}"
+        codecs.append(f"    const Codec codec{k} = make_codec(maps[{2 * k}], maps[{2 * k + 1}], {bounds}, {fmt.bits});")
         codes = f"reinterpret_cast<uint8_t*>(row[{col[f's{k}_codes']}])"
         codes += " + at" if fmt.bits == 8 else f" + r * ((length + 1) / 2) + j * {block // 2}"
         absmax = f"reinterpret_cast<float*>(row[{col[f's{k}_absmax']}])[r * nblocks + j]"
-        values = f"reinterpret_cast<const float*>(maps[{2 * k}])"
-        lut = f"reinterpret_cast<const uint32_t*>(maps[{2 * k + 1}])"
         enc = quant.encoder(fmt.qmap)
-        loads.append(f"        decode{fmt.bits}({codes}, n, {values}, {absmax}, S{k});")
-        stores.append(f"""        {{ const float amax = block_absmax(S{k}, n);
-          encode<{enc.shift}, {enc.lowest}u, {enc.highest}u, {enc.half}>(S{k}, n, amax == 0.0f ? 1.0f : amax, {lut}, C);
-          pack{fmt.bits}(C, n, {codes});
+        loads.append(f"        decode{fmt.bits}({codes}, n, codec{k}, {absmax}, S{k});")
+        stores.append(f"""        {{ const float amax = from_bits(top{k});
+          encode{fmt.bits}<{enc.shift}, {enc.lowest}u, {enc.highest}u, {enc.half}>(S{k}, n, amax == 0.0f ? 1.0f : amax, codec{k}, {codes});
           {absmax} = amax; }}""")
 
-    arrays = " ".join(f"float S{k}[{block}];" for k in active)
-    grad = "G[at + i] * gm" if has_grad_mul else "G[at + i]"
+    arrays = " ".join(f"alignas(64) float S{k}[{block}];" for k in active)
+    tops = " ".join(f"uint32_t top{k} = 0;" for k in quantized)
+    grad = "G[i] * gm" if has_grad_mul else "G[i]"
     reads = "\n".join(f"            const float s{k}_ = S{k}[i];" for k in active)
-    loads_s, stores_s = "\n".join(loads), "\n".join(stores)
-    return PRELUDE + f"""
+    return PRELUDE + "\n".join(constants) + f"""
 extern "C" void fo_step(const int64_t* table, int64_t n_tensors, int64_t begin, int64_t end,
                         const float* sc, const float* grad_mul, const void* const* maps) {{
     const int64_t width = {len(cols)};
     const float gm = grad_mul ? *grad_mul : 1.0f;
-    (void)gm;
+    (void)gm; (void)maps;
+{chr(10).join(codecs)}
     int64_t t = 0;
     while (t + 1 < n_tensors && table[(t + 1) * width] <= begin) ++t;
     for (int64_t b = begin; b < end; ++b) {{
@@ -267,12 +401,11 @@ extern "C" void fo_step(const int64_t* table, int64_t n_tensors, int64_t begin, 
         const int64_t at = r * length + j * {block};
         const int64_t rest = length - j * {block};
         const int64_t n = rest < {block} ? rest : {block};
-        float* __restrict__ Pp = reinterpret_cast<float*>(row[{col['p']}]) + at;
-        const float* __restrict__ G = reinterpret_cast<const float*>(row[{col['g']}]);
-        float P[{block}]; {arrays}
-        int32_t C[{block}]; (void)C;
-        for (int64_t i = 0; i < n; ++i) P[i] = Pp[i];
-{loads_s}
+        float* __restrict__ P = reinterpret_cast<float*>(row[{col['p']}]) + at;
+        const float* __restrict__ G = reinterpret_cast<const float*>(row[{col['g']}]) + at;
+        {arrays}
+        {tops}
+{chr(10).join(loads)}
         for (int64_t i = 0; i < n; ++i) {{
             const float p_ = P[i];
             const float g_ = {grad};
@@ -280,8 +413,7 @@ extern "C" void fo_step(const int64_t* table, int64_t n_tensors, int64_t begin, 
 {body}
 {chr(10).join(writes)}
         }}
-        for (int64_t i = 0; i < n; ++i) Pp[i] = P[i];
-{stores_s}
+{chr(10).join(stores)}
     }}
 }}
 """
