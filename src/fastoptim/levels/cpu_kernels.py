@@ -136,54 +136,79 @@ struct Codec {
     __m512i planes[4][4];  // 8 bits: byte j of value k at planes[j][k / 64], byte k % 64
     __m512 table;          // 4 bits: the 16 values
     __m512 bounds;         // 4 bits: the 15 boundaries (quant.QuantMap.boundaries), ascending
+    // 8 bits, the encoder's cells (see cell_tables in Python): per sign, by exponent & 31, (adjust << 5) | shift;
+    // the lowest code of each cell (512 bytes); the boundaries (and 2.0 after the last) as 4 byte planes
+    __m512i octaves[2][2];
+    __m512i cells[8];
+    __m512i bound_planes[4][4];
 #endif
 };
 
-static inline Codec make_codec(const void* values, const void* lut, const float* bounds, int bits) {
+#ifdef FO_AVX512
+static inline void byte_planes(const float* values, __m512i planes[4][4]) {
+    alignas(64) uint8_t bytes[4][256];
+    for (int k = 0; k < 256; ++k) {
+        uint32_t u; std::memcpy(&u, values + k, 4);
+        for (int j = 0; j < 4; ++j) bytes[j][k] = (uint8_t)(u >> (8 * j));
+    }
+    for (int j = 0; j < 4; ++j)
+        for (int q = 0; q < 4; ++q) planes[j][q] = _mm512_load_si512(bytes[j] + 64 * q);
+}
+#endif
+
+// bounds: 4 bits, the map's 15 boundaries; 8 bits: the encoder's cell tables, or null (the table read by gathers)
+static inline Codec make_codec(const void* values, const void* lut, const float* bounds, const int32_t* octaves,
+                               const uint8_t* cells, int bits) {
     Codec c;
     c.values = static_cast<const float*>(values);
     c.lut = static_cast<const uint32_t*>(lut);
 #ifdef FO_AVX512
     if (bits == 8) {
-        alignas(64) uint8_t bytes[4][256];
-        for (int k = 0; k < 256; ++k) {
-            uint32_t u; std::memcpy(&u, c.values + k, 4);
-            for (int j = 0; j < 4; ++j) bytes[j][k] = (uint8_t)(u >> (8 * j));
+        byte_planes(c.values, c.planes);
+        if (cells) {
+            for (int sign = 0; sign < 2; ++sign)
+                for (int h = 0; h < 2; ++h) c.octaves[sign][h] = _mm512_loadu_si512(octaves + 32 * sign + 16 * h);
+            for (int q = 0; q < 8; ++q) c.cells[q] = _mm512_loadu_si512(cells + 64 * q);
+            byte_planes(bounds, c.bound_planes);
         }
-        for (int j = 0; j < 4; ++j)
-            for (int q = 0; q < 4; ++q) c.planes[j][q] = _mm512_load_si512(bytes[j] + 64 * q);
     } else {
         c.table = _mm512_loadu_ps(c.values);
         c.bounds = _mm512_mask_loadu_ps(_mm512_set1_ps(INFINITY), 0x7FFF, bounds);
     }
 #else
-    (void)bits; (void)bounds;
+    (void)bits; (void)bounds; (void)octaves; (void)cells;
 #endif
     return c;
 }
+
+#ifdef FO_AVX512
+// 64 fp32 entries table[idx byte k] of a 256-entry table held as byte planes, in code order: two 128-entry
+// byte permutes per plane (the index's top bit picks one), the four planes interleaved into dwords
+static inline void lookup64(const __m512i planes[4][4], __m512i idx, __m512i out[4]) {
+    idx = _mm512_permutexvar_epi8(_mm512_loadu_si512(FO_INTERLEAVE_ORDER), idx);
+    const __mmask64 top = _mm512_movepi8_mask(idx);
+    __m512i b[4];
+    for (int j = 0; j < 4; ++j)
+        b[j] = _mm512_mask_blend_epi8(top, _mm512_permutex2var_epi8(planes[j][0], idx, planes[j][1]),
+                                      _mm512_permutex2var_epi8(planes[j][2], idx, planes[j][3]));
+    const __m512i lo01 = _mm512_unpacklo_epi8(b[0], b[1]), hi01 = _mm512_unpackhi_epi8(b[0], b[1]);
+    const __m512i lo23 = _mm512_unpacklo_epi8(b[2], b[3]), hi23 = _mm512_unpackhi_epi8(b[2], b[3]);
+    out[0] = _mm512_unpacklo_epi16(lo01, lo23);
+    out[1] = _mm512_unpackhi_epi16(lo01, lo23);
+    out[2] = _mm512_unpacklo_epi16(hi01, hi23);
+    out[3] = _mm512_unpackhi_epi16(hi01, hi23);
+}
+#endif
 
 // out[i] = values[code i] * absmax; 8-bit codes one a byte
 static inline void decode8(const uint8_t* c, int64_t n, const Codec& codec, float absmax, float* out) {
     int64_t i = 0;
 #if defined(FO_AVX512)
-    // 64 codes at a time: each byte of the 64 values looked up in registers (two 128-entry permutes, the
-    // code's top bit picks one), then the four byte vectors interleaved into 64 floats. The codes are first
-    // put in the order the in-lane interleave undoes.
-    const __m512i order = _mm512_loadu_si512(FO_INTERLEAVE_ORDER);
     const __m512 a = _mm512_set1_ps(absmax);
     for (; i + 64 <= n; i += 64) {
-        const __m512i idx = _mm512_permutexvar_epi8(order, _mm512_loadu_si512(c + i));
-        const __mmask64 top = _mm512_movepi8_mask(idx);
-        __m512i b[4];
-        for (int j = 0; j < 4; ++j)
-            b[j] = _mm512_mask_blend_epi8(top, _mm512_permutex2var_epi8(codec.planes[j][0], idx, codec.planes[j][1]),
-                                          _mm512_permutex2var_epi8(codec.planes[j][2], idx, codec.planes[j][3]));
-        const __m512i lo01 = _mm512_unpacklo_epi8(b[0], b[1]), hi01 = _mm512_unpackhi_epi8(b[0], b[1]);
-        const __m512i lo23 = _mm512_unpacklo_epi8(b[2], b[3]), hi23 = _mm512_unpackhi_epi8(b[2], b[3]);
-        _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpacklo_epi16(lo01, lo23)), a));
-        _mm512_storeu_ps(out + i + 16, _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpackhi_epi16(lo01, lo23)), a));
-        _mm512_storeu_ps(out + i + 32, _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpacklo_epi16(hi01, hi23)), a));
-        _mm512_storeu_ps(out + i + 48, _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpackhi_epi16(hi01, hi23)), a));
+        __m512i v[4];
+        lookup64(codec.planes, _mm512_loadu_si512(c + i), v);
+        for (int q = 0; q < 4; ++q) _mm512_storeu_ps(out + i + 16 * q, _mm512_mul_ps(_mm512_castsi512_ps(v[q]), a));
     }
 #elif defined(FO_AVX2)
     const __m256 a = _mm256_set1_ps(absmax);
@@ -259,10 +284,52 @@ static inline __m256i encode8_lanes(__m256 x, __m256 d, const uint32_t* lut) {
 #endif
 
 // 8-bit codes of x / divisor, one a byte
-template <int SHIFT, uint32_t LOWEST, uint32_t HIGHEST, int32_t HALF>
+template <int SHIFT, uint32_t LOWEST, uint32_t HIGHEST, int32_t HALF, bool CELLS>
 static inline void encode8(const float* x, int64_t n, float divisor, const Codec& codec, uint8_t* c) {
     int64_t i = 0;
 #if defined(FO_AVX512)
+    if (CELLS) {
+        // The quotient's magnitude is clamped as quant.Encoder clamps it; its exponent picks (per sign) how many
+        // mantissa bits cut that octave into cells that hold at most one boundary, and where its cells start;
+        // the cell's lowest code comes from a 512-byte table, and one compare with the boundary above that
+        // code finds the code. The tables are byte permutes in registers, 64 elements at a time.
+        const __m512 d = _mm512_set1_ps(divisor);
+        const __m512i magnitude = _mm512_set1_epi32(0x7FFFFFFF), shift_bits = _mm512_set1_epi32(31);
+        const __m512i lowest = _mm512_set1_epi32((int32_t)LOWEST), highest = _mm512_set1_epi32((int32_t)HIGHEST);
+        const __m512i byte0 = _mm512_loadu_si512(FO_DWORD_BYTE0), byte1 = _mm512_loadu_si512(FO_DWORD_BYTE1);
+        for (; i + 64 <= n; i += 64) {
+            __m512i cell[4];
+            __m512 y[4];
+            for (int q = 0; q < 4; ++q) {
+                const __m512i u = _mm512_castps_si512(_mm512_div_ps(_mm512_loadu_ps(x + i + 16 * q), d));
+                const __m512i m = _mm512_min_epu32(_mm512_max_epu32(_mm512_and_si512(u, magnitude), lowest), highest);
+                y[q] = _mm512_castsi512_ps(_mm512_ternarylogic_epi32(m, u, magnitude, 0xE4));  // m's bits, u's sign
+                const __m512i exponent = _mm512_srli_epi32(m, 23);
+                const __m512i octave = _mm512_mask_mov_epi32(
+                    _mm512_permutex2var_epi32(codec.octaves[0][0], exponent, codec.octaves[0][1]), _mm512_movepi32_mask(u),
+                    _mm512_permutex2var_epi32(codec.octaves[1][0], exponent, codec.octaves[1][1]));
+                cell[q] = _mm512_add_epi32(_mm512_srlv_epi32(m, _mm512_and_si512(octave, shift_bits)), _mm512_srai_epi32(octave, 5));
+            }
+            // cells < 512: their low and high bytes, 64 to a vector, in element order
+            const __mmask64 upper = 0xFFFFFFFF00000000ull;
+            const __m512i low = _mm512_mask_blend_epi8(upper, _mm512_permutex2var_epi8(cell[0], byte0, cell[1]),
+                                                       _mm512_permutex2var_epi8(cell[2], byte0, cell[3]));
+            const __m512i high = _mm512_mask_blend_epi8(upper, _mm512_permutex2var_epi8(cell[0], byte1, cell[1]),
+                                                        _mm512_permutex2var_epi8(cell[2], byte1, cell[3]));
+            const __mmask64 bit7 = _mm512_movepi8_mask(low), bit8 = _mm512_test_epi8_mask(high, _mm512_set1_epi8(1));
+            const __m512i first = _mm512_mask_blend_epi8(bit7, _mm512_permutex2var_epi8(codec.cells[0], low, codec.cells[1]),
+                                                         _mm512_permutex2var_epi8(codec.cells[2], low, codec.cells[3]));
+            const __m512i second = _mm512_mask_blend_epi8(bit7, _mm512_permutex2var_epi8(codec.cells[4], low, codec.cells[5]),
+                                                          _mm512_permutex2var_epi8(codec.cells[6], low, codec.cells[7]));
+            const __m512i code = _mm512_mask_blend_epi8(bit8, first, second);
+            __m512i bound[4];
+            lookup64(codec.bound_planes, code, bound);
+            __mmask16 above[4];
+            for (int q = 0; q < 4; ++q) above[q] = _mm512_cmp_ps_mask(y[q], _mm512_castsi512_ps(bound[q]), _CMP_GT_OQ);
+            const __mmask64 up = _mm512_kunpackd(_mm512_kunpackw(above[3], above[2]), _mm512_kunpackw(above[1], above[0]));
+            _mm512_storeu_si512(c + i, _mm512_mask_add_epi8(code, up, code, _mm512_set1_epi8(1)));
+        }
+    }
     const __m256 d = _mm256_set1_ps(divisor);
     for (; i + 16 <= n; i += 16) {
         const __m256i first = encode8_lanes<SHIFT, LOWEST, HIGHEST, HALF>(_mm256_loadu_ps(x + i), d, codec.lut);
@@ -281,27 +348,52 @@ static inline void encode8(const float* x, int64_t n, float divisor, const Codec
 }
 
 // 4-bit codes of x / divisor, two a byte (the first in the low nibble; an odd last code: high nibble 0)
-template <int SHIFT, uint32_t LOWEST, uint32_t HIGHEST, int32_t HALF>
+template <int SHIFT, uint32_t LOWEST, uint32_t HIGHEST, int32_t HALF, bool LINEAR>
 static inline void encode4(const float* x, int64_t n, float divisor, const Codec& codec, uint8_t* c) {
     int64_t i = 0;
 #if defined(FO_AVX512)
+    if (LINEAR) {
+        // quant.linear_no_zero: boundaries (k + 1.5) / 16, so the code is ceil(16 y - 1.5) clamped to [0, 15].
+        // Both steps are exact where the code is not 0 (16 y >= 0.75: Sterbenz up to 3, above it 1.5 is a
+        // multiple of 16 y's ulp); below, the difference stays negative. A NaN reads as +-1, as the encoder's
+        // clamp reads it.
+        const __m512 d = _mm512_set1_ps(divisor), sixteen = _mm512_set1_ps(16.0f), offset = _mm512_set1_ps(1.5f);
+        const __m512i magnitude = _mm512_set1_epi32(0x7FFFFFFF), highest = _mm512_set1_epi32((int32_t)HIGHEST);
+        const __m512i zero = _mm512_setzero_si512(), fifteen = _mm512_set1_epi32(15);
+        for (; i + 16 <= n; i += 16) {
+            const __m512i u = _mm512_castps_si512(_mm512_div_ps(_mm512_loadu_ps(x + i), d));
+            const __m512i m = _mm512_min_epu32(_mm512_and_si512(u, magnitude), highest);
+            const __m512 y = _mm512_castsi512_ps(_mm512_ternarylogic_epi32(m, u, magnitude, 0xE4));  // m's bits, u's sign
+            const __m512 t = _mm512_sub_ps(_mm512_mul_ps(y, sixteen), offset);
+            const __m512i code = _mm512_min_epi32(_mm512_max_epi32(
+                _mm512_cvt_roundps_epi32(t, _MM_FROUND_TO_POS_INF | _MM_FROUND_NO_EXC), zero), fifteen);
+            _mm_storel_epi64(reinterpret_cast<__m128i*>(c + i / 2), _mm512_cvtepi64_epi8(_mm512_or_si512(code, _mm512_srli_epi64(code, 28))));
+        }
+    }
     // the code is the count of boundaries below the quotient: a binary search over the 15 boundaries held in
     // one register. The quotient's magnitude is first clamped to [LOWEST, HIGHEST] as quant.Encoder clamps
     // it (no boundary lies outside, and a NaN reads as +-1), so the float compares see no NaN.
     const __m512 d = _mm512_set1_ps(divisor);
     const __m512i magnitude = _mm512_set1_epi32(0x7FFFFFFF);
     const __m512i lowest = _mm512_set1_epi32((int32_t)LOWEST), highest = _mm512_set1_epi32((int32_t)HIGHEST);
-    for (; i + 16 <= n; i += 16) {
-        const __m512i u = _mm512_castps_si512(_mm512_div_ps(_mm512_loadu_ps(x + i), d));
-        const __m512i m = _mm512_min_epu32(_mm512_max_epu32(_mm512_and_si512(u, magnitude), lowest), highest);
-        const __m512 y = _mm512_castsi512_ps(_mm512_ternarylogic_epi32(m, u, magnitude, 0xE4));  // m's bits, u's sign
-        __m512i code = _mm512_setzero_si512();
-        for (int step = 8; step >= 1; step /= 2) {
-            const __m512 bound = _mm512_permutexvar_ps(_mm512_add_epi32(code, _mm512_set1_epi32(step - 1)), codec.bounds);
-            code = _mm512_mask_add_epi32(code, _mm512_cmp_ps_mask(y, bound, _CMP_GT_OQ), code, _mm512_set1_epi32(step));
+    for (; i + 64 <= n; i += 64) {  // four vectors at a time: four searches in flight
+        __m512 y[4];
+        __m512i code[4];
+        for (int q = 0; q < 4; ++q) {
+            const __m512i u = _mm512_castps_si512(_mm512_div_ps(_mm512_loadu_ps(x + i + 16 * q), d));
+            const __m512i m = _mm512_min_epu32(_mm512_max_epu32(_mm512_and_si512(u, magnitude), lowest), highest);
+            y[q] = _mm512_castsi512_ps(_mm512_ternarylogic_epi32(m, u, magnitude, 0xE4));  // m's bits, u's sign
+            code[q] = _mm512_setzero_si512();
         }
+        for (int step = 8; step >= 1; step /= 2)
+            for (int q = 0; q < 4; ++q) {
+                const __m512 bound = _mm512_permutexvar_ps(_mm512_add_epi32(code[q], _mm512_set1_epi32(step - 1)), codec.bounds);
+                code[q] = _mm512_mask_add_epi32(code[q], _mm512_cmp_ps_mask(y[q], bound, _CMP_GT_OQ), code[q], _mm512_set1_epi32(step));
+            }
         // pairs of codes (one 64-bit lane each) into one byte: low code | high code << 4
-        _mm_storel_epi64(reinterpret_cast<__m128i*>(c + i / 2), _mm512_cvtepi64_epi8(_mm512_or_si512(code, _mm512_srli_epi64(code, 28))));
+        for (int q = 0; q < 4; ++q)
+            _mm_storel_epi64(reinterpret_cast<__m128i*>(c + (i + 16 * q) / 2),
+                             _mm512_cvtepi64_epi8(_mm512_or_si512(code[q], _mm512_srli_epi64(code[q], 28))));
     }
 #endif
     for (; i + 1 < n; i += 2)
@@ -320,7 +412,10 @@ def _interleave_order() -> str:
         for lane in range(4):
             for e in range(4):
                 order[16 * lane + 4 * q + e] = 16 * q + 4 * lane + e
-    return f"alignas(64) static const uint8_t FO_INTERLEAVE_ORDER[64] = {{{', '.join(map(str, order))}}};\n"
+    byte0 = [4 * (k % 32) for k in range(64)]  # byte 0 of dword k % 32 of a pair of vectors
+    return (f"alignas(64) static const uint8_t FO_INTERLEAVE_ORDER[64] = {{{', '.join(map(str, order))}}};\n"
+            f"alignas(64) static const uint8_t FO_DWORD_BYTE0[64] = {{{', '.join(map(str, byte0))}}};\n"
+            f"alignas(64) static const uint8_t FO_DWORD_BYTE1[64] = {{{', '.join(str(b + 1) for b in byte0)}}};\n")
 
 
 PRELUDE = PRELUDE.replace("// one quantized state's map", _interleave_order() + "\n// one quantized state's map", 1)
@@ -334,6 +429,46 @@ def _column_names(formats: Sequence[Format | None]) -> list[str]:
             continue
         cols += [f"s{k}_codes", f"s{k}_absmax"] if fmt.quantized else [f"s{k}"]
     return cols
+
+
+@lru_cache(maxsize=None)
+def cell_tables(qmap: quant.QuantMap) -> tuple[list[int], list[int], list[float]] | None:
+    """The AVX-512 8-bit encoder's tables for ``qmap`` (None where they do not fit: it then reads
+    ``quant.Encoder``'s table by gathers).
+
+    ``quant.Encoder`` cuts every octave of magnitudes into the same number of cells; here each octave (per
+    sign) takes the fewest leading mantissa bits that leave at most one boundary in a cell, so all cells fit
+    in 512 bytes. Per octave (index ``32 * sign + (exponent & 31)``): ``(adjust << 5) | shift``, the cell of
+    magnitude bits ``m`` being ``(m >> shift) + adjust``; per cell: its lowest code; and the 255 boundaries
+    and 2.0. A cell's code is its lowest code, plus one where the value is above the boundary that follows
+    that code (the one boundary inside the cell, if any). Checked here on every cell's ends with the
+    encoder itself."""
+    enc = quant.encoder(qmap)
+    first_exponent, last_exponent = enc.lowest >> 23, enc.highest >> 23
+    if qmap.bits != 8 or last_exponent - first_exponent >= 32:
+        return None
+
+    def codes(magnitudes: list[int], negative: bool) -> list[int]:
+        bits = torch.tensor(magnitudes, dtype=torch.int64) | ((1 << 31) if negative else 0)
+        bits = torch.where(bits >= 1 << 31, bits - (1 << 32), bits).to(torch.int32)
+        return enc.encode(bits.view(torch.float32)).tolist()
+
+    octaves, cells = [0] * 64, []
+    for sign in (0, 1):
+        for exponent in range(first_exponent, last_exponent + 1):
+            low, high = max(enc.lowest, exponent << 23), min(enc.highest, ((exponent + 1) << 23) - 1)
+            for shift in range(23, -1, -1):
+                index = range(low >> shift, (high >> shift) + 1)
+                at_low = codes([max(k << shift, low) for k in index], bool(sign))
+                at_high = codes([min(((k + 1) << shift) - 1, high) for k in index], bool(sign))
+                if all(abs(a - b) <= 1 for a, b in zip(at_low, at_high)):
+                    break
+            octaves[32 * sign + (exponent & 31)] = ((len(cells) - index[0]) << 5) | shift
+            cells += [min(a, b) for a, b in zip(at_low, at_high)]
+    if len(cells) > 512:
+        return None
+    bounds = qmap.boundaries().tolist() + [2.0]
+    return octaves, cells + [0] * (512 - len(cells)), bounds
 
 
 def kernel_source(update: Callable, flags: tuple, formats: tuple, n_scalars: int, has_grad_mul: bool) -> str:
@@ -355,7 +490,7 @@ def kernel_source(update: Callable, flags: tuple, formats: tuple, n_scalars: int
     writes += [f"            top{k} = top{k} > magnitude_bits({outputs[1 + k]}) ? top{k} : magnitude_bits({outputs[1 + k]});"
                for k in quantized]
 
-    constants, codecs, loads, stores = [], [], [], []
+    constants, codecs, loads, stores, probes = [], [], [], [], []
     for k in active:
         fmt = formats[k]
         if fmt.bits == 16:
@@ -363,19 +498,44 @@ def kernel_source(update: Callable, flags: tuple, formats: tuple, n_scalars: int
             loads.append(f"        bf16_load({ptr}, n, S{k});")
             stores.append(f"        bf16_store(S{k}, n, {ptr});")
             continue
-        bounds = "nullptr"
+        bounds = octaves = cells = "nullptr"
         if fmt.bits == 4:
             literals = ", ".join(cpp_twin._literal(v) for v in fmt.qmap.boundaries().tolist())
             constants.append(f"static const float BOUNDS{k}[15] = {{{literals}}};")
             bounds = f"BOUNDS{k}"
-        codecs.append(f"    const Codec codec{k} = make_codec(maps[{2 * k}], maps[{2 * k + 1}], {bounds}, {fmt.bits});")
+        tables = cell_tables(fmt.qmap) if fmt.bits == 8 else None
+        if tables is not None:
+            octave_table, cell_table, bound_table = tables
+            constants.append(f"static const int32_t OCTAVES{k}[64] = {{{', '.join(map(str, octave_table))}}};")
+            constants.append(f"static const uint8_t CELLS{k}[512] = {{{', '.join(map(str, cell_table))}}};")
+            constants.append(f"static const float BOUNDS{k}[256] = {{{', '.join(cpp_twin._literal(v) for v in bound_table)}}};")
+            bounds, octaves, cells = f"BOUNDS{k}", f"OCTAVES{k}", f"CELLS{k}"
+        codecs.append(f"    const Codec codec{k} = make_codec(maps[{2 * k}], maps[{2 * k + 1}], {bounds}, {octaves}, {cells}, "
+                      f"{fmt.bits});")
         codes = f"reinterpret_cast<uint8_t*>(row[{col[f's{k}_codes']}])"
         codes += " + at" if fmt.bits == 8 else f" + r * ((length + 1) / 2) + j * {block // 2}"
         absmax = f"reinterpret_cast<float*>(row[{col[f's{k}_absmax']}])[r * nblocks + j]"
         enc = quant.encoder(fmt.qmap)
+        if fmt.bits == 4:
+            linear = fmt.qmap.boundaries().tolist() == [(k + 1.5) / 16 for k in range(15)]
+            cells_flag = ", true" if linear else ", false"
+        else:
+            cells_flag = ", true" if tables is not None else ", false"
         loads.append(f"        decode{fmt.bits}({codes}, n, codec{k}, {absmax}, S{k});")
+        encode = f"encode{fmt.bits}<{enc.shift}, {enc.lowest}u, {enc.highest}u, {enc.half}{cells_flag}>"
+        probes.append(f"""    if (k == {k}) {{
+        const Codec codec = make_codec(maps[{2 * k}], maps[{2 * k + 1}], {bounds}, {octaves}, {cells}, {fmt.bits});
+        if (x) {{
+            uint32_t top = 0;
+            for (int64_t i = 0; i < n; ++i) top = top > magnitude_bits(x[i]) ? top : magnitude_bits(x[i]);
+            *absmax = from_bits(top);
+            {encode}(x, n, *absmax == 0.0f ? 1.0f : *absmax, codec, codes);
+        }} else {{
+            decode{fmt.bits}(codes, n, codec, *absmax, out);
+        }}
+    }}""")
         stores.append(f"""        {{ const float amax = from_bits(top{k});
-          encode{fmt.bits}<{enc.shift}, {enc.lowest}u, {enc.highest}u, {enc.half}>(S{k}, n, amax == 0.0f ? 1.0f : amax, codec{k}, {codes});
+          encode{fmt.bits}<{enc.shift}, {enc.lowest}u, {enc.highest}u, {enc.half}{cells_flag}>(S{k}, n, amax == 0.0f ? 1.0f : amax, codec{k}, {codes});
           {absmax} = amax; }}""")
 
     arrays = " ".join(f"alignas(64) float S{k}[{block}];" for k in active)
@@ -415,6 +575,14 @@ extern "C" void fo_step(const int64_t* table, int64_t n_tensors, int64_t begin, 
         }}
 {chr(10).join(stores)}
     }}
+}}
+
+// the codec of state k on one block, as fo_step runs it (for tests): x given, its codes and absmax; else the
+// values of codes and absmax
+extern "C" void fo_codec(const void* const* maps, int64_t k, const float* x, int64_t n, uint8_t* codes, float* absmax,
+                         float* out) {{
+    (void)maps; (void)k; (void)x; (void)n; (void)codes; (void)absmax; (void)out;
+{chr(10).join(probes)}
 }}
 """
 
