@@ -90,11 +90,11 @@ CONFIGS = [(name, i) for name, spec in OPTIMIZERS.items() for i in range(len(spe
 
 @pytest.mark.parametrize("bits", (16, 8, 4))
 @pytest.mark.parametrize("name,option", CONFIGS)
-def test_the_kernel_gives_the_rules_ieee_math_on_the_stored_values_byte_for_byte(name, option, bits):
+def test_the_kernel_gives_the_rules_ieee_math_on_the_stored_values_byte_for_byte(name, option, bits, shapes=SHAPES):
     spec = OPTIMIZERS[name]
     options = dict(spec.option_sets[option])
     g = torch.Generator().manual_seed(option)
-    params = [torch.nn.Parameter(torch.randn(s, generator=g)) for s in SHAPES]
+    params = [torch.nn.Parameter(torch.randn(s, generator=g)) for s in shapes]
     try:
         opt = spec.cls(params, impl="fused", state_bits=bits, min_quant_size=0, **options)
     except ValueError as e:  # centered RMSprop refuses 8/4 bits by name (tested in test_low_bit)
@@ -116,6 +116,23 @@ def test_the_kernel_gives_the_rules_ieee_math_on_the_stored_values_byte_for_byte
             assert torch.equal(p.detach(), new_p), f"step {step + 1}: param {tuple(p.shape)} differs"
             for state_name, value in states.items():
                 _assert_stored_equal(opt.state[p][state_name], value, f"step {step + 1}: {state_name} of {tuple(p.shape)}")
+
+
+@pytest.mark.parametrize("bits", (16, 8, 4))
+def test_enough_blocks_for_every_thread_run_in_chunks_with_the_same_bytes(bits, monkeypatch):
+    """Enough blocks that the threads take several chunks each (ragged rows between chunks too)."""
+    calls = []
+    real = cpu_kernels.itertools.count
+
+    def counting(*args):
+        calls.append(1)
+        return real(*args)
+
+    monkeypatch.setattr(cpu_kernels.itertools, "count", counting)
+    shapes = [(300, 256), (200, 129), (7, 1000)]
+    test_the_kernel_gives_the_rules_ieee_math_on_the_stored_values_byte_for_byte("adamw", 0, bits, shapes)
+    if torch.get_num_threads() >= 2:
+        assert calls, "the step ran on one thread"
 
 
 @pytest.mark.parametrize("bits", (16, 8, 4))

@@ -15,7 +15,7 @@ FLAGS and state formats:
   nearest-code tables (``quant.Encoder``);
 * one call per bucket: a table of the tensors (one int64 row each) and the step's scalars in memory, so
   schedules never rebuild anything; the blocks are split among ``torch.get_num_threads()`` threads (ctypes
-  releases the GIL), so no second OpenMP runtime is loaded beside torch's.
+  releases the GIL), in chunks taken in turn, so no second OpenMP runtime is loaded beside torch's.
 
 The source is compiled once per machine with the system C++ compiler (``$CXX``, else ``c++``/``g++``/
 ``clang++``) into a cache folder (``$FASTOPTIM_CACHE``, else ``~/.cache/fastoptim``), written atomically.
@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import itertools
 import os
 import shutil
 import subprocess
@@ -45,6 +46,8 @@ from ..storage import Format, QuantizedState, quant
 CXXFLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-shared",
             "-fPIC", "-std=c++17")
 PIECE = 256  # elements per work item at 16 bits (no codec block there)
+CHUNK_BLOCKS = 64  # the fewest blocks a thread takes at a time
+CHUNKS_PER_THREAD = 8
 
 
 class KernelUnavailable(RuntimeError):
@@ -733,13 +736,21 @@ def run(update: Callable, params: list[Tensor], grads: list[Tensor], states: lis
     table = torch.tensor(rows_table, dtype=torch.int64)
     _, maps = _map_pointers(formats)
     gm = None if grad_mul is None else grad_mul.data_ptr()
-    threads = max(1, min(torch.get_num_threads(), first // 64))
-    cuts = [first * k // threads for k in range(threads + 1)]
+    threads = max(1, min(torch.get_num_threads(), first // CHUNK_BLOCKS))
     args = (table.data_ptr(), len(rows_table))
     if threads == 1:
         lib.fo_step(*args, 0, first, scalars.data_ptr(), gm, maps)
         return
-    jobs = [_threads().submit(lib.fo_step, *args, cuts[k], cuts[k + 1], scalars.data_ptr(), gm, maps)
-            for k in range(threads)]
+    # more chunks than threads, taken in turn: a thread the OS holds back (a busy machine) leaves its share
+    # to the others instead of keeping every thread waiting for it
+    n_chunks = max(threads, min(threads * CHUNKS_PER_THREAD, first // CHUNK_BLOCKS))
+    cuts = [first * k // n_chunks for k in range(n_chunks + 1)]
+    turns = itertools.count()  # next() on it is atomic under the GIL
+
+    def work():
+        while (k := next(turns)) < n_chunks:
+            lib.fo_step(*args, cuts[k], cuts[k + 1], scalars.data_ptr(), gm, maps)
+
+    jobs = [_threads().submit(work) for _ in range(threads)]
     for job in jobs:
         job.result()
