@@ -9,10 +9,16 @@ FLAGS and state formats:
   IEEE fp32 math on the stored values (torch's own CPU ``sqrt`` is not correctly rounded in every lane, so
   the loop level is within an ulp of it, not always equal);
 * per block of one row (the codec's blocks: 256 elements at 8 bits, 128 at 4; 256-element pieces at
-  16 bits), p, g and every state are loaded into fp32 arrays that stay in L1 (codes decoded through the
-  map, times the block's absmax; bf16 widened), the update runs over them, and each state is stored back:
-  bf16 rounded to nearest even, quantized states with the block's new absmax and the codec's own
-  nearest-code tables (``quant.Encoder``);
+  16 bits), every state is loaded into an fp32 array that stays in L1 (codes decoded through the map, times
+  the block's absmax; bf16 widened), the update runs over them with p and g read in place (taking each
+  quantized state's new absmax as it goes), and each state is stored back: bf16 rounded to nearest even,
+  quantized states as the codes ``quant.Encoder`` gives;
+* the codec has three builds under ``#if``, all exact: AVX-512 (with VBMI: 8-bit codes decoded and encoded
+  by byte permutes over tables held in registers, 64 elements at a time, no gathers; see ``cell_tables``;
+  4-bit codes by one permute, encoded by a search over the boundaries in a register or, for the linear map,
+  its exact formula), AVX2 (gathers from the map and ``quant.Encoder``'s table), and scalar. On a Zen 4,
+  one thread, 24M params, the AVX-512 build's AdamW step took 0.53x (8-bit) and 0.55x (4-bit) the CPU time
+  of the AVX2 build; encoding is still over half of the 8-bit step;
 * one call per bucket: a table of the tensors (one int64 row each) and the step's scalars in memory, so
   schedules never rebuild anything; the blocks are split among ``torch.get_num_threads()`` threads (ctypes
   releases the GIL), in chunks taken in turn, so no second OpenMP runtime is loaded beside torch's.
@@ -270,7 +276,7 @@ static inline uint32_t encode_one(float x, float divisor, const uint32_t* lut) {
 
 #ifdef FO_AVX2
 template <int SHIFT, uint32_t LOWEST, uint32_t HIGHEST, int32_t HALF>
-static inline __m256i encode8_lanes(__m256 x, __m256 d, const uint32_t* lut) {
+static inline __m256i encode_lanes(__m256 x, __m256 d, const uint32_t* lut) {
     const __m256i mask = _mm256_set1_epi32((int32_t)((1u << SHIFT) - 1u)), magnitude = _mm256_set1_epi32(0x7FFFFFFF);
     const __m256i lowest = _mm256_set1_epi32((int32_t)LOWEST), highest = _mm256_set1_epi32((int32_t)HIGHEST);
     const __m256i half = _mm256_set1_epi32(HALF), one = _mm256_set1_epi32(1);
@@ -335,16 +341,16 @@ static inline void encode8(const float* x, int64_t n, float divisor, const Codec
     }
     const __m256 d = _mm256_set1_ps(divisor);
     for (; i + 16 <= n; i += 16) {
-        const __m256i first = encode8_lanes<SHIFT, LOWEST, HIGHEST, HALF>(_mm256_loadu_ps(x + i), d, codec.lut);
-        const __m256i second = encode8_lanes<SHIFT, LOWEST, HIGHEST, HALF>(_mm256_loadu_ps(x + i + 8), d, codec.lut);
+        const __m256i first = encode_lanes<SHIFT, LOWEST, HIGHEST, HALF>(_mm256_loadu_ps(x + i), d, codec.lut);
+        const __m256i second = encode_lanes<SHIFT, LOWEST, HIGHEST, HALF>(_mm256_loadu_ps(x + i + 8), d, codec.lut);
         _mm_storeu_si128(reinterpret_cast<__m128i*>(c + i), _mm512_cvtepi32_epi8(_mm512_inserti64x4(_mm512_castsi256_si512(first), second, 1)));
     }
 #elif defined(FO_AVX2)
     const __m256 d = _mm256_set1_ps(divisor);
-    alignas(32) int32_t codes[8];
-    for (; i + 8 <= n; i += 8) {
-        _mm256_store_si256(reinterpret_cast<__m256i*>(codes), encode8_lanes<SHIFT, LOWEST, HIGHEST, HALF>(_mm256_loadu_ps(x + i), d, codec.lut));
-        for (int k = 0; k < 8; ++k) c[i + k] = (uint8_t)codes[k];
+    for (; i + 8 <= n; i += 8) {  // 8 codes (< 256) packed to bytes
+        const __m256i code = encode_lanes<SHIFT, LOWEST, HIGHEST, HALF>(_mm256_loadu_ps(x + i), d, codec.lut);
+        const __m128i words = _mm_packus_epi32(_mm256_castsi256_si128(code), _mm256_extracti128_si256(code, 1));
+        _mm_storel_epi64(reinterpret_cast<__m128i*>(c + i), _mm_packus_epi16(words, words));
     }
 #endif
     for (; i < n; ++i) c[i] = (uint8_t)encode_one<SHIFT, LOWEST, HIGHEST, HALF>(x[i], divisor, codec.lut);
@@ -397,6 +403,18 @@ static inline void encode4(const float* x, int64_t n, float divisor, const Codec
         for (int q = 0; q < 4; ++q)
             _mm_storel_epi64(reinterpret_cast<__m128i*>(c + (i + 16 * q) / 2),
                              _mm512_cvtepi64_epi8(_mm512_or_si512(code[q], _mm512_srli_epi64(code[q], 28))));
+    }
+#elif defined(FO_AVX2)
+    const __m256 d = _mm256_set1_ps(divisor);
+    const __m256i even = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
+    for (; i + 16 <= n; i += 16) {  // 16 codes: pairs (one 64-bit lane each) to bytes, low code | high code << 4
+        __m256i pairs[2];
+        for (int h = 0; h < 2; ++h) {
+            const __m256i code = encode_lanes<SHIFT, LOWEST, HIGHEST, HALF>(_mm256_loadu_ps(x + i + 8 * h), d, codec.lut);
+            pairs[h] = _mm256_permutevar8x32_epi32(_mm256_or_si256(code, _mm256_srli_epi64(code, 28)), even);
+        }
+        const __m128i words = _mm_packus_epi32(_mm256_castsi256_si128(pairs[0]), _mm256_castsi256_si128(pairs[1]));
+        _mm_storel_epi64(reinterpret_cast<__m128i*>(c + i / 2), _mm_packus_epi16(words, words));
     }
 #endif
     for (; i + 1 < n; i += 2)
