@@ -90,11 +90,11 @@ CONFIGS = [(name, i) for name, spec in OPTIMIZERS.items() for i in range(len(spe
 
 @pytest.mark.parametrize("bits", (16, 8, 4))
 @pytest.mark.parametrize("name,option", CONFIGS)
-def test_the_kernel_gives_the_rules_ieee_math_on_the_stored_values_byte_for_byte(name, option, bits):
+def test_the_kernel_gives_the_rules_ieee_math_on_the_stored_values_byte_for_byte(name, option, bits, shapes=SHAPES):
     spec = OPTIMIZERS[name]
     options = dict(spec.option_sets[option])
     g = torch.Generator().manual_seed(option)
-    params = [torch.nn.Parameter(torch.randn(s, generator=g)) for s in SHAPES]
+    params = [torch.nn.Parameter(torch.randn(s, generator=g)) for s in shapes]
     try:
         opt = spec.cls(params, impl="fused", state_bits=bits, min_quant_size=0, **options)
     except ValueError as e:  # centered RMSprop refuses 8/4 bits by name (tested in test_low_bit)
@@ -116,6 +116,23 @@ def test_the_kernel_gives_the_rules_ieee_math_on_the_stored_values_byte_for_byte
             assert torch.equal(p.detach(), new_p), f"step {step + 1}: param {tuple(p.shape)} differs"
             for state_name, value in states.items():
                 _assert_stored_equal(opt.state[p][state_name], value, f"step {step + 1}: {state_name} of {tuple(p.shape)}")
+
+
+@pytest.mark.parametrize("bits", (16, 8, 4))
+def test_enough_blocks_for_every_thread_run_in_chunks_with_the_same_bytes(bits, monkeypatch):
+    """Enough blocks that the threads take several chunks each (ragged rows between chunks too)."""
+    calls = []
+    real = cpu_kernels.itertools.count
+
+    def counting(*args):
+        calls.append(1)
+        return real(*args)
+
+    monkeypatch.setattr(cpu_kernels.itertools, "count", counting)
+    shapes = [(300, 256), (200, 129), (7, 1000)]
+    test_the_kernel_gives_the_rules_ieee_math_on_the_stored_values_byte_for_byte("adamw", 0, bits, shapes)
+    if torch.get_num_threads() >= 2:
+        assert calls, "the step ran on one thread"
 
 
 @pytest.mark.parametrize("bits", (16, 8, 4))
@@ -286,3 +303,133 @@ def test_a_schedule_changing_lr_every_step_reuses_one_built_kernel():
         opt.step()
         sched.step()
     assert cpu_kernels.kernel.cache_info().misses == 1
+
+
+# --- the codec's SIMD paths, and the builds without them ------------------------------------------------
+
+# extra compiler flags of each build: this CPU's own (-march=native), then without AVX-512, then without AVX2,
+# so the paths kept for other CPUs are built and checked here too
+BUILDS = {"native": (), "avx2": ("-mno-avx512f",), "scalar": ("-mno-avx2",)}
+
+
+def _simd_width_expected(extra) -> int:
+    """What ``fo_simd_width()`` must say for a build with these flags, from the compiler's own macros."""
+    done = subprocess.run([cpu_kernels.compiler(), "-march=native", *extra, "-dM", "-E", "-x", "c++", os.devnull],
+                          capture_output=True, text=True, check=True)
+    if all(f"__{isa}__" in done.stdout for isa in ("AVX512F", "AVX512BW", "AVX512VL", "AVX512VBMI")):
+        return 512
+    return 256 if "__AVX2__" in done.stdout else 0
+
+
+@pytest.fixture(params=list(BUILDS))
+def build(request, monkeypatch):
+    """Kernels built with this build's flags (and the width its code must report)."""
+    extra = BUILDS[request.param]
+    monkeypatch.setattr(cpu_kernels, "CXXFLAGS", cpu_kernels.CXXFLAGS + extra)
+    _fresh_kernels()
+    yield _simd_width_expected(extra)
+    _fresh_kernels()
+
+
+def _codec_kernel(bits):
+    """A kernel whose state 0 is signed and state 1 unsigned at ``bits`` (Adam's exp_avg and exp_avg_sq)."""
+    from fastoptim.rules.adam import adam_update
+
+    formats = (storage.Format(bits, True), storage.Format(bits, False), None)
+    return cpu_kernels.kernel(adam_update, (False, True, True, False), formats, 8, False), formats
+
+
+def _hard_values(qmap, g):
+    """Values whose codes are easy to get wrong: every boundary and its fp32 neighbours, every map value,
+    +-0, tiny and subnormal values, values in every octave of the encoder's range, random ones."""
+    bounds = qmap.boundaries()
+    near = torch.cat([bounds, torch.nextafter(bounds, torch.tensor(2.0)), torch.nextafter(bounds, torch.tensor(-2.0))])
+    octaves = torch.tensor([2.0 ** -e for e in range(0, 40)]) * (1 + torch.rand(40, generator=g))
+    special = torch.tensor([0.0, -0.0, 1e-30, -1e-30, 1e-40, -1e-40, 1.0, -1.0])
+    values = torch.cat([near, qmap.table(), special, octaves, -octaves, torch.randn(600, generator=g) * 0.3])
+    return values.clamp(-1.0, 1.0)
+
+
+def _blocks(values, block, g):
+    """Blocks of ``block`` values, each holding a 1.0 (so the quotient is the value itself), then the same values
+    at a random scale (a real division), and blocks with a NaN, an inf, all zeros, and ragged lengths."""
+    chunk = block - 1
+    out = []
+    for at in range(0, values.numel(), chunk):
+        piece = values[at:at + chunk]
+        out.append(torch.cat([torch.ones(1), piece]))
+        out.append(torch.cat([-torch.ones(1), piece]) * float(torch.rand(1, generator=g) * 5 + 0.01))
+    out.append(torch.cat([torch.tensor([float("nan"), -float("nan")]), values[:block - 2]]))
+    out.append(torch.cat([torch.tensor([float("inf"), -3.0]), values[:block - 2]]))
+    out.append(torch.zeros(block))
+    out += [values[:n] * 0.7 for n in (1, 3, 17, 63, 65, block - 1)]
+    return out
+
+
+@pytest.mark.parametrize("bits", (8, 4))
+def test_the_kernels_codec_gives_the_eager_codecs_codes_and_values(build, bits):
+    """Each build's encoder and decoder (the SIMD paths: AVX-512 cell tables and byte permutes, the 4-bit
+    search and the linear map's formula; AVX2 gathers; scalar) on hard values, block by block, against
+    ``quant.quantize`` and ``quant.dequantize``."""
+    import ctypes
+
+    lib, formats = _codec_kernel(bits)
+    assert lib.fo_simd_width() == build
+    _, maps = cpu_kernels._map_pointers(formats)
+    g = torch.Generator().manual_seed(bits)
+    for k, fmt in enumerate(formats[:2]):
+        for x in _blocks(_hard_values(fmt.qmap, g), fmt.block, g):
+            x = x.float().contiguous()
+            n = x.numel()
+            codes = torch.zeros((n + 1) // 2 if bits == 4 else n, dtype=torch.uint8)
+            absmax = torch.zeros(1)
+            lib.fo_codec(maps, k, ctypes.c_void_p(x.data_ptr()), n, ctypes.c_void_p(codes.data_ptr()),
+                         ctypes.c_void_p(absmax.data_ptr()), None)
+            want_codes, want_absmax = storage.quant.quantize(x.reshape(1, n), fmt.qmap, fmt.block)
+            torch.testing.assert_close(absmax, want_absmax.reshape(1), rtol=0, atol=0, equal_nan=True)
+            assert torch.equal(codes, want_codes.reshape(-1)), (fmt.tag, n)
+            values = torch.zeros(n)
+            lib.fo_codec(maps, k, None, n, ctypes.c_void_p(codes.data_ptr()), ctypes.c_void_p(absmax.data_ptr()),
+                         ctypes.c_void_p(values.data_ptr()))
+            want = storage.quant.dequantize(codes.reshape(1, -1), absmax.reshape(1, 1), fmt.qmap, fmt.block, (1, n))
+            torch.testing.assert_close(values, want.reshape(-1), rtol=0, atol=0, equal_nan=True)
+
+
+def test_every_code_decodes_to_its_map_value_times_absmax(build):
+    import ctypes
+
+    for bits in (8, 4):
+        lib, formats = _codec_kernel(bits)
+        _, maps = cpu_kernels._map_pointers(formats)
+        for k, fmt in enumerate(formats[:2]):
+            codes = torch.arange(2 ** bits, dtype=torch.uint8).repeat(fmt.block // 2 ** bits or 1)
+            codes = (codes[0::2] | (codes[1::2] << 4)) if bits == 4 else codes
+            n = fmt.block
+            absmax = torch.tensor([0.37])
+            values = torch.zeros(n)
+            lib.fo_codec(maps, k, None, n, ctypes.c_void_p(codes.data_ptr()), ctypes.c_void_p(absmax.data_ptr()),
+                         ctypes.c_void_p(values.data_ptr()))
+            index = torch.arange(n) % 2 ** bits
+            assert torch.equal(values, fmt.qmap.table()[index] * absmax), fmt.tag
+
+
+@pytest.mark.parametrize("bits", (16, 8, 4))
+def test_each_build_steps_byte_for_byte_like_the_oracle(build, bits):
+    """The whole step (not only the codec) in each build, for two rules whose states use both maps."""
+    for name in ("adamw", "lion"):
+        test_the_kernel_gives_the_rules_ieee_math_on_the_stored_values_byte_for_byte(name, 0, bits)
+        from fastoptim.rules.adam import adam_update
+
+        assert cpu_kernels.kernel(adam_update, (False, True, True, False), (storage.Format(8, True),
+                                  storage.Format(8, False), None), 8, False).fo_simd_width() == build
+
+
+def test_the_cell_tables_cover_the_8_bit_maps_and_hold_one_boundary_a_cell():
+    """The AVX-512 encoder's tables exist for both 8-bit maps (else it falls back to gathers: slower)."""
+    for signed in (True, False):
+        qmap = storage.quant.dynamic(8, signed)
+        tables = cpu_kernels.cell_tables(qmap)
+        assert tables is not None, qmap.name
+        octaves, cells, bounds = tables
+        assert len(octaves) == 64 and len(cells) == 512 and len(bounds) == 256 and bounds[-1] == 2.0
+        assert all(0 <= c <= 255 for c in cells)
