@@ -182,6 +182,33 @@ def test_params_the_kernel_does_not_take_run_staged_beside_it():
         torch.testing.assert_close(a.detach(), b.detach(), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("in_place", [False, True])
+def test_the_kernels_table_follows_new_grads_and_a_grad_that_stops_being_contiguous(in_place):
+    """The table of a bucket is made once; each step's grads may be new tensors (new addresses), written in
+    place, or strided (that param then runs staged, and the kernel takes it back when its grad is contiguous)."""
+    g = torch.Generator().manual_seed(6)
+    params = [torch.nn.Parameter(torch.randn(s, generator=g)) for s in [(64, 128), (96, 40), (40, 96)]]
+    twin = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    opt = fastoptim.AdamW(params, impl="fused", state_bits=8, min_quant_size=0)
+    ref = fastoptim.AdamW(twin, impl="loop", state_bits=8, min_quant_size=0)
+    for step in range(5):
+        for i, (a, b) in enumerate(zip(params, twin)):
+            grad = torch.randn(a.shape, generator=g)
+            if step == 2 and i == 1:  # a strided grad with the param's shape
+                grad = torch.randn(tuple(reversed(a.shape)), generator=g).t()
+            if in_place and a.grad is not None and grad.is_contiguous() and a.grad.is_contiguous():
+                a.grad.copy_(grad)
+            else:
+                a.grad = grad
+            b.grad = grad.clone()
+        with record_paths() as paths:
+            opt.step()
+        ref.step()
+        assert paths.count("cpu_kernel") == 1 and len(paths) == (2 if step == 2 else 1), (step, paths)
+        for a, b in zip(params, twin):
+            torch.testing.assert_close(a.detach(), b.detach(), rtol=1e-5, atol=1e-6)
+
+
 def test_without_a_compiler_the_fused_level_warns_once_and_runs_staged(monkeypatch, tmp_path):
     monkeypatch.setenv("PATH", str(tmp_path))  # no c++, g++ or clang++ to be found
     monkeypatch.delenv("CXX", raising=False)

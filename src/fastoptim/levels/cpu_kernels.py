@@ -734,28 +734,50 @@ def _rows(p: Tensor, fmt: Format) -> tuple[int, int, int]:
     return 1, p.numel(), -(-p.numel() // PIECE)
 
 
-def run(update: Callable, params: list[Tensor], grads: list[Tensor], states: list[list | None], formats: tuple,
-        scalars: Tensor, flags: tuple, grad_mul: Tensor | None) -> None:
-    """One step over tensors that all have state ``formats`` (see ``signature``); ``scalars`` is the step's
-    fp32 scalars on the CPU, ``grad_mul`` a 0-d fp32 CPU tensor or None."""
+GRAD_COLUMN = 4  # where a row of the table holds its grad's address (``_column_names``)
+
+
+class Table:
+    """The kernel's table of tensors (one int64 row each: first block, rows, length and the addresses of p, g
+    and the states) for tensors that all have state ``formats``. Made once per bucket: params and state
+    tensors are written in place while the step plan holds them (a replaced one makes a new plan, and so a
+    new table); grads may be new tensors every step, so their addresses are checked, at C speed, each step."""
+
+    def __init__(self, params: list[Tensor], grads: list[Tensor], states: list[list | None], formats: tuple):
+        self.formats = formats
+        fmt = next(f for f in formats if f is not None)
+        rows_table, first = [], 0
+        for i, (p, g) in enumerate(zip(params, grads)):
+            rows, length, blocks = _rows(p, fmt)
+            row = [first, rows, length, p.data_ptr(), g.data_ptr()]
+            for column, f in zip(states, formats):
+                if f is None:
+                    continue
+                s = column[i]
+                row += [s.codes.data_ptr(), s.absmax.data_ptr()] if f.quantized else [s.data_ptr()]
+            rows_table.append(row)
+            first += blocks
+        self.table = torch.tensor(rows_table, dtype=torch.int64)
+        self.blocks = first
+        self.grad_addresses = [row[GRAD_COLUMN] for row in rows_table]
+
+    def point_at(self, grads: list[Tensor]) -> None:
+        """This step's grads (the same shapes; contiguous, as ``signature`` checked)."""
+        addresses = list(map(Tensor.data_ptr, grads))
+        if addresses != self.grad_addresses:
+            self.table[:, GRAD_COLUMN] = torch.tensor(addresses, dtype=torch.int64)
+            self.grad_addresses = addresses
+
+
+def run(update: Callable, table: Table, scalars: Tensor, flags: tuple, grad_mul: Tensor | None) -> None:
+    """One step over the tensors of ``table``; ``scalars`` is the step's fp32 scalars on the CPU, ``grad_mul``
+    a 0-d fp32 CPU tensor or None."""
+    formats, first = table.formats, table.blocks
     lib = kernel(update, tuple(flags), formats, scalars.numel(), grad_mul is not None)
-    fmt = next(f for f in formats if f is not None)
-    rows_table, first = [], 0
-    for i, (p, g) in enumerate(zip(params, grads)):
-        rows, length, blocks = _rows(p, fmt)
-        row = [first, rows, length, p.data_ptr(), g.data_ptr()]
-        for column, f in zip(states, formats):
-            if f is None:
-                continue
-            s = column[i]
-            row += [s.codes.data_ptr(), s.absmax.data_ptr()] if f.quantized else [s.data_ptr()]
-        rows_table.append(row)
-        first += blocks
-    table = torch.tensor(rows_table, dtype=torch.int64)
     _, maps = _map_pointers(formats)
     gm = None if grad_mul is None else grad_mul.data_ptr()
     threads = max(1, min(torch.get_num_threads(), first // CHUNK_BLOCKS))
-    args = (table.data_ptr(), len(rows_table))
+    args = (table.table.data_ptr(), len(table.grad_addresses))
     if threads == 1:
         lib.fo_step(*args, 0, first, scalars.data_ptr(), gm, maps)
         return

@@ -20,6 +20,7 @@ from __future__ import annotations
 import warnings
 
 import torch
+from torch import Tensor
 
 from . import Bucket, caller_stacklevel, compiled, foreach, is_dtensor, pack_scalars, took, uses_triton
 
@@ -123,23 +124,37 @@ def run_stored(rule, bucket: Bucket, group: dict, step: int, scalars: tuple, fla
     if why is not None:
         _warn_staged(why)
         return bucket
-    by_formats: dict[tuple, list[int]] = {}
-    rest = []
-    for i in range(len(bucket.params)):
-        formats = cpu_kernels.signature(bucket.params, bucket.grads, bucket.states, i)
-        (rest if formats is None else by_formats.setdefault(formats, [])).append(i)
+    # which params the kernel takes, and its tables: made once per bucket (its params and states are fixed
+    # while the step plan holds it) and again when a grad's contiguity changes (new grads each step may differ)
+    contiguous = list(map(Tensor.is_contiguous, bucket.grads))
+    cached = bucket.cache.get("cpu_kernel")
+    if cached is None or cached[0] != contiguous:
+        by_formats: dict[tuple, list[int]] = {}
+        rest = []
+        for i in range(len(bucket.params)):
+            formats = cpu_kernels.signature(bucket.params, bucket.grads, bucket.states, i)
+            (rest if formats is None else by_formats.setdefault(formats, [])).append(i)
+        tables = []
+        for formats, indices in by_formats.items():
+            part = _subset(bucket, indices)
+            tables.append((cpu_kernels.Table(part.params, part.grads, part.states, formats), indices))
+        cached = bucket.cache["cpu_kernel"] = (contiguous, tables, rest)
+    _, tables, rest = cached
     packed = pack_scalars(scalars, bucket.device)
     mul = None if grad_mul is None else grad_mul.to(bucket.device, torch.float32).reshape(())
-    for formats, indices in by_formats.items():
-        part = _subset(bucket, indices)
+    failed = []
+    for table, indices in tables:
+        params = [bucket.params[i] for i in indices]
+        table.point_at([bucket.grads[i] for i in indices])
         try:
-            cpu_kernels.run(rule.update, part.params, part.grads, part.states, formats, packed, flags, mul)
+            cpu_kernels.run(rule.update, table, packed, flags, mul)
         except cpu_kernels.KernelUnavailable as e:  # this kernel would not build: its params run staged
             _warn_staged(str(e))
-            rest += indices
+            failed += indices
             continue
         took("cpu_kernel")
-        torch.autograd.graph.increment_version(part.params)  # written in place, as torch's own kernels count
+        torch.autograd.graph.increment_version(params)  # written in place, as torch's own kernels count
+    rest = rest + failed
     return _subset(bucket, sorted(rest)) if rest else None
 
 
