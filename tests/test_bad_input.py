@@ -52,6 +52,15 @@ BAD_ARGS = [
     ("adagrad", dict(lr_decay=-0.1), "lr_decay"),
     ("adagrad", dict(initial_accumulator_value=-1.0), "initial_accumulator_value"),
     ("lion", dict(betas=(0.9, 1.0)), "beta2"),
+    ("adamax", dict(betas=(0.9, 1.0)), "beta2"),
+    ("adamax", dict(eps=-1.0), "eps"),
+    ("adadelta", dict(rho=1.5), "rho"),
+    ("adadelta", dict(weight_decay=-0.1), "weight_decay"),
+    ("radam", dict(betas=(-0.1, 0.999)), "beta1"),
+    ("radam", dict(decoupled_weight_decay=1), "decoupled_weight_decay"),
+    ("rprop", dict(etas=(1.0, 0.5)), "etas"),
+    ("rprop", dict(etas=(0.5, 1.2, 2.0)), "etas"),
+    ("rprop", dict(step_sizes="small"), "step_sizes"),
     ("lion", dict(lr="fast"), "lr"),
 ]
 

@@ -41,6 +41,9 @@ class Twin(np.ndarray):
     def maximum(self, other):
         return np.maximum(self, other)
 
+    def clamp(self, lo, hi):
+        return np.minimum(np.maximum(self, lo), hi)
+
 
 def _twin(t: torch.Tensor) -> Twin:
     return t.detach().float().numpy().copy().view(Twin)

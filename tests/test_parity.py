@@ -78,6 +78,10 @@ LOW_PRECISION_OPTIONS = {
     "rmsprop": dict(lr=1e-2, alpha=0.9, momentum=0.5, centered=True),
     "adagrad": dict(lr=0.1, lr_decay=0.1, weight_decay=0.1, initial_accumulator_value=0.1),
     "lion": dict(lr=1e-2, betas=(0.9, 0.99), weight_decay=2.0),
+    "adamax": dict(lr=1e-2, betas=(0.8, 0.9), weight_decay=0.5),
+    "adadelta": dict(lr=1.0, rho=0.8, weight_decay=0.5, eps=1e-4),
+    "radam": dict(lr=1e-2, betas=(0.8, 0.9), weight_decay=2.0, decoupled_weight_decay=True),
+    "rprop": dict(lr=1e-2, etas=(0.4, 1.5), step_sizes=(1e-3, 0.05), maximize=True),
 }
 # fp16 state: a second moment of a grad below ~2e-4 underflows to fp16's subnormals or to 0, and an eps of 1e-8
 # is 0 in fp16, so a per-op step divides by 0. torch's own fp16 test data sets eps=0.1 for this reason; 1e-3
@@ -94,6 +98,7 @@ class _Bounded:
     Each operation combines its operands' bounds in the worst case (first order plus the cross term):
       a ± b: ea + eb            a * b: |a| eb + |b| ea + ea eb            a / b: (ea + |a/b| eb) / (|b| - eb)
       sqrt(a): sqrt(a) - sqrt(max(a - ea, 0))     maximum: max(ea, eb)     sign(a): 0 if |a| > ea, else 2
+      clamp(a, lo, hi): min(ea, hi - lo)
     and then rounds its result: + u (|v| + e) + s/2, with u = eps/2 the dtype's unit roundoff plus 2^-23 for
     the float32 arithmetic torch uses inside a 16-bit op (and for a host scalar's float32 rounding), and s the
     dtype's smallest subnormal (rounding near 0 is absolute, not relative). A result that may overflow, or a
@@ -159,6 +164,10 @@ class _Bounded:
         o = self._lift(other)
         return _Bounded(self.v.maximum(o.v), self.e.maximum(o.e), self.fmt)
 
+    def clamp(self, lo, hi):  # exact; it moves no two values further apart, nor than hi - lo
+        lo, hi = float(lo), float(hi)
+        return _Bounded(self.v.clamp(lo, hi), self.e.clamp(max=max(hi - lo, 0.0)), self.fmt)
+
 
 def _rounding_format(dtype, truncating=False):
     """(unit roundoff, half the smallest subnormal, largest finite) of ``dtype``; a truncating conversion (Triton's
@@ -180,9 +189,9 @@ def _per_op_bound(rule, groups, values, errors, grads, steps, fmt):
 
         def bounded(name):
             v = values[i].get(name)
-            if v is None:  # a state created on the first step (zeros)
-                zeros = torch.zeros_like(g, dtype=torch.float64)
-                return _Bounded(zeros, zeros, fmt)
+            if v is None:  # a state created on the first step, at its initial value in the param's dtype
+                exact = torch.full_like(g, rule.initial_value(name, group), dtype=torch.float64)
+                return _Bounded(exact, (exact.to(g.dtype).double() - exact).abs(), fmt)
             return _Bounded(v, errors[i][name], fmt)
         states = [bounded(n) if on else None for n, on in zip(rule.state_names, rule.active(group))]
         zero = torch.zeros_like(g, dtype=torch.float64)

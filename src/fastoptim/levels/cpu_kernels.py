@@ -96,6 +96,7 @@ PRELUDE = r"""
 #endif
 
 static inline float fo_maximum(float a, float b) { return (a != a || b != b) ? a + b : (a > b ? a : b); }
+static inline float fo_minimum(float a, float b) { return (a != a || b != b) ? a + b : (a < b ? a : b); }
 
 // bf16 <-> fp32 as torch converts: widening is exact; narrowing rounds to nearest even, NaN stays quiet NaN
 static inline void bf16_load(const uint16_t* src, int64_t n, float* out) {

@@ -72,6 +72,10 @@ def _maximum(a, b):
     return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
 
 
+def _clamp(x, lo, hi):
+    return tl.minimum(tl.maximum(x, lo, propagate_nan=tl.PropagateNan.ALL), hi, propagate_nan=tl.PropagateNan.ALL)
+
+
 def interpreting() -> bool:
     """``TRITON_INTERPRET=1``: kernels run in Triton's interpreter, on CPU tensors."""
     return os.environ.get("TRITON_INTERPRET") == "1"
@@ -88,7 +92,8 @@ def _jit(fn: Callable, interpret: bool):
 
 @lru_cache(maxsize=None)
 def _prims(interpret: bool) -> dict:
-    return {"sqrt": _jit(_sqrt, interpret), "sign": _jit(_sign, interpret), "maximum": _jit(_maximum, interpret)}
+    return {"sqrt": _jit(_sqrt, interpret), "sign": _jit(_sign, interpret), "maximum": _jit(_maximum, interpret),
+            "clamp": _jit(_clamp, interpret)}
 
 
 class _IEEEDivision(ast.NodeTransformer):
