@@ -57,7 +57,8 @@ def _stored(value, p):
 def _oracle(opt, params, step, grad_mul=None):
     """Step ``step``'s params and states, computed from what is stored now, per param."""
     rule, group = opt.rule, opt.param_groups[0]
-    scalars = [np.float32(float(s)) for s in rule.scalars(group, step)]
+    host = rule.host_values(opt.state[params[0]], group)  # (NAdam's mu_product: the same for every param here)
+    scalars = [np.float32(float(s)) for s in rule.scalars(group, step, *host)]
     out = []
     for p in params:
         entry = opt.state[p]

@@ -13,7 +13,7 @@ torch.optim's ``foreach=True`` / ``fused=True`` are accepted as spellings of ``i
 from __future__ import annotations
 
 from .optimizer import FastOptimizer
-from .rules import (AdadeltaRule, AdagradRule, AdamaxRule, AdamRule, LionRule, RAdamRule, RMSpropRule, RpropRule,
+from .rules import (AdadeltaRule, AdagradRule, AdamaxRule, AdamRule, LionRule, NAdamRule, RAdamRule, RMSpropRule, RpropRule,
                     SGDRule)
 
 
@@ -116,6 +116,17 @@ class RAdam(FastOptimizer):
                  state_bits=32, min_quant_size=4096, rounding="nearest", foreach=None, fused=None):
         super().__init__(params, _impl(impl, foreach, fused), flat, max_grad_norm, state_bits, min_quant_size, rounding,
                          lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                         decoupled_weight_decay=decoupled_weight_decay, maximize=maximize)
+
+
+class NAdam(FastOptimizer):
+    rule = NAdamRule()
+
+    def __init__(self, params, lr=2e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, momentum_decay=4e-3,
+                 decoupled_weight_decay=False, *, maximize=False, impl="auto", flat=False, max_grad_norm=None,
+                 state_bits=32, min_quant_size=4096, rounding="nearest", foreach=None, fused=None):
+        super().__init__(params, _impl(impl, foreach, fused), flat, max_grad_norm, state_bits, min_quant_size, rounding,
+                         lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, momentum_decay=momentum_decay,
                          decoupled_weight_decay=decoupled_weight_decay, maximize=maximize)
 
 

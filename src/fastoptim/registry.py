@@ -64,6 +64,11 @@ OPTIMIZERS: dict[str, OptimizerSpec] = {spec.name: spec for spec in (
         dict(lr=1e-2, betas=(0.8, 0.9), weight_decay=0.1, eps=1e-6),
         dict(lr=1e-2, weight_decay=0.3, decoupled_weight_decay=True, maximize=True),
     )),
+    OptimizerSpec("nadam", optimizers.NAdam, "NAdam", (
+        dict(lr=1e-2),
+        dict(lr=1e-2, betas=(0.8, 0.9), weight_decay=0.1, momentum_decay=0.05, eps=1e-6),
+        dict(lr=1e-2, weight_decay=0.3, decoupled_weight_decay=True, maximize=True),
+    )),
     OptimizerSpec("rprop", optimizers.Rprop, "Rprop", (
         dict(lr=1e-2),
         dict(lr=1e-2, etas=(0.4, 1.5), step_sizes=(1e-3, 0.05)),

@@ -310,7 +310,7 @@ def compile_for_gpu(rule, group: dict, dtype: torch.dtype = torch.float32, capab
 
     active = tuple(rule.active(group))
     flags = rule.flags(group)
-    n_scalars = len(rule.scalars(group, 1))
+    n_scalars = len(rule.scalars(group, 1, *rule.host_start(group)))
     kernel = kernel_for(rule.update, tuple(rule.state_names), active, n_scalars, len(flags), False)
     signature = {"table": "*i64", "chunks": "*i64", "grad_mul": "*fp32", "found_inf": "*fp32",
                  "scalars": "*fp32"}

@@ -6,10 +6,11 @@ from .adam import AdamRule
 from .adamax import AdamaxRule
 from .base import Rule
 from .lion import LionRule
+from .nadam import NAdamRule
 from .radam import RAdamRule
 from .rmsprop import RMSpropRule
 from .rprop import RpropRule
 from .sgd import SGDRule
 
 __all__ = ["Rule", "SGDRule", "AdamRule", "RMSpropRule", "AdagradRule", "LionRule", "AdamaxRule", "AdadeltaRule",
-           "RAdamRule", "RpropRule"]
+           "RAdamRule", "NAdamRule", "RpropRule"]
