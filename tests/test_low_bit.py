@@ -49,6 +49,9 @@ def test_per_step_error_against_32_bit_with_state_resynced(name, bits):
     low_p = [torch.nn.Parameter(p.detach().clone()) for p in full_p]
     full = spec.cls(full_p, impl="loop", **_option(name))
     low = spec.cls(low_p, impl="loop", state_bits=bits, min_quant_size=0, **_option(name))
+    # ASGD's one state is ax, the running average of the params, which never feeds back into them: its storage
+    # shows in ax alone, measured as ax's error over ax's norm (16-bit 0.19 %, 8-bit 1.1 %, 4-bit 14 %)
+    feeds_back = name != "asgd"
     worst = 0.0
     for _ in range(8):
         with torch.no_grad():
@@ -62,6 +65,10 @@ def test_per_step_error_against_32_bit_with_state_resynced(name, bits):
         low.step()
         update = torch.cat([(p - b).flatten() for p, b in zip(full_p, before)])
         error = torch.cat([(a - b).flatten() for a, b in zip(low_p, full_p)])
+        if not feeds_back:
+            update = torch.cat([full.state[b]["ax"].flatten() for b in full_p])
+            error = torch.cat([(storage.torch_value(low.state[a]["ax"], a) - full.state[b]["ax"]).flatten()
+                               for a, b in zip(low_p, full_p)])
         worst = max(worst, (error.norm() / update.norm()).item())
     limit = (STEP_ERROR_LION if name == "lion" else STEP_ERROR)[bits]
     assert 0 < worst < limit, worst  # > 0: the state really is stored at fewer bits

@@ -83,6 +83,7 @@ LOW_PRECISION_OPTIONS = {
     "radam": dict(lr=1e-2, betas=(0.8, 0.9), weight_decay=2.0, decoupled_weight_decay=True),
     "rprop": dict(lr=1e-2, etas=(0.4, 1.5), step_sizes=(1e-3, 0.05), maximize=True),
     "nadam": dict(lr=1e-2, betas=(0.8, 0.9), weight_decay=0.5, momentum_decay=0.05),
+    "asgd": dict(lr=5e-2, lambd=0.5, t0=3, weight_decay=0.5),
 }
 # fp16 state: a second moment of a grad below ~2e-4 underflows to fp16's subnormals or to 0, and an eps of 1e-8
 # is 0 in fp16, so a per-op step divides by 0. torch's own fp16 test data sets eps=0.1 for this reason; 1e-3

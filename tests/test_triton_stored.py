@@ -318,7 +318,7 @@ V4_FP32 = PER_THREAD * 4 // 16
 
 
 GROUPS = {"sgd": dict(momentum=0.9), "adam": {}, "adamw": {}, "rmsprop": {}, "adagrad": {}, "lion": {},
-          "adamax": {}, "adadelta": {}, "radam": {}, "nadam": {}, "rprop": {}}
+          "adamax": {}, "adadelta": {}, "radam": {}, "nadam": {}, "rprop": {}, "asgd": {}}
 
 
 @pytest.mark.parametrize("capability", [80, 90])

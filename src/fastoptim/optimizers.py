@@ -13,7 +13,7 @@ torch.optim's ``foreach=True`` / ``fused=True`` are accepted as spellings of ``i
 from __future__ import annotations
 
 from .optimizer import FastOptimizer
-from .rules import (AdadeltaRule, AdagradRule, AdamaxRule, AdamRule, LionRule, NAdamRule, RAdamRule, RMSpropRule, RpropRule,
+from .rules import (AdadeltaRule, AdagradRule, ASGDRule, AdamaxRule, AdamRule, LionRule, NAdamRule, RAdamRule, RMSpropRule, RpropRule,
                     SGDRule)
 
 
@@ -138,3 +138,13 @@ class Rprop(FastOptimizer):
                  min_quant_size=4096, rounding="nearest", foreach=None, fused=None):
         super().__init__(params, _impl(impl, foreach, fused), flat, max_grad_norm, state_bits, min_quant_size, rounding,
                          lr=lr, etas=etas, step_sizes=step_sizes, maximize=maximize)
+
+
+class ASGD(FastOptimizer):
+    rule = ASGDRule()
+
+    def __init__(self, params, lr=1e-2, lambd=1e-4, alpha=0.75, t0=1e6, weight_decay=0.0, foreach=None,
+                 maximize=False, *, impl="auto", flat=False, max_grad_norm=None, state_bits=32, min_quant_size=4096,
+                 rounding="nearest", fused=None):
+        super().__init__(params, _impl(impl, foreach, fused), flat, max_grad_norm, state_bits, min_quant_size, rounding,
+                         lr=lr, lambd=lambd, alpha=alpha, t0=t0, weight_decay=weight_decay, maximize=maximize)

@@ -74,6 +74,11 @@ OPTIMIZERS: dict[str, OptimizerSpec] = {spec.name: spec for spec in (
         dict(lr=1e-2, etas=(0.4, 1.5), step_sizes=(1e-3, 0.05)),
         dict(lr=1e-2, maximize=True),
     )),
+    OptimizerSpec("asgd", optimizers.ASGD, "ASGD", (
+        dict(lr=1e-2),
+        dict(lr=5e-2, lambd=0.1, alpha=0.5, t0=5, weight_decay=0.1),
+        dict(lr=1e-2, t0=2, maximize=True),
+    )),
     OptimizerSpec("lion", optimizers.Lion, None, (
         dict(lr=1e-3),
         dict(lr=1e-3, betas=(0.95, 0.98), weight_decay=0.5),

@@ -2,6 +2,7 @@
 
 from .adadelta import AdadeltaRule
 from .adagrad import AdagradRule
+from .asgd import ASGDRule
 from .adam import AdamRule
 from .adamax import AdamaxRule
 from .base import Rule
@@ -13,4 +14,4 @@ from .rprop import RpropRule
 from .sgd import SGDRule
 
 __all__ = ["Rule", "SGDRule", "AdamRule", "RMSpropRule", "AdagradRule", "LionRule", "AdamaxRule", "AdadeltaRule",
-           "RAdamRule", "NAdamRule", "RpropRule"]
+           "RAdamRule", "NAdamRule", "RpropRule", "ASGDRule"]
