@@ -10,5 +10,5 @@ from .registry import OPTIMIZERS
 
 __version__ = "0.1.0"
 
-__all__ = ["SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Lion", "Adamax", "Adadelta", "RAdam", "NAdam", "Rprop", "ASGD", "FastOptimizer", "create", "param_groups",
-           "OPTIMIZERS", "IMPLS", "clip_grad_norm_", "grad_norm", "schedules", "__version__"]
+__all__ = ["SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Lion", "Adamax", "Adadelta", "RAdam", "NAdam", "Rprop", "ASGD",
+           "FastOptimizer", "create", "param_groups", "OPTIMIZERS", "IMPLS", "clip_grad_norm_", "grad_norm", "schedules", "__version__"]
