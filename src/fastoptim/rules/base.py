@@ -7,6 +7,8 @@ A rule supplies
   * ``active``        which of ``state_names`` a group needs (e.g. ``max_exp_avg_sq`` only with amsgrad);
   * ``flags``         booleans fixed for a run (branch conditions inside ``update``);
   * ``scalars``       host-side numbers for one step (bias corrections, step size, ``1 - lr*wd``);
+  * ``host_states``   torch's per-param 0-d states (NAdam's ``mu_product``, ASGD's ``eta`` and ``mu``), kept as host
+                      floats and moved by ``host_step``; ``scalars`` gets their values before the step;
   * ``update``        the elementwise math: ``update(p, g, *states, *scalars, *FLAGS) -> (p, *states)``.
 
 ``update`` receives every state in ``state_names`` order, ``None`` for the inactive ones, and returns them
@@ -49,7 +51,7 @@ class Rule:
     def flags(self, group: dict) -> tuple[bool, ...]:
         raise NotImplementedError
 
-    def scalars(self, group: dict, step: int) -> tuple[float, ...]:
+    def scalars(self, group: dict, step: int, *host: float) -> tuple[float, ...]:
         raise NotImplementedError
 
     def initial_value(self, name: str, group: dict) -> float:
