@@ -112,7 +112,8 @@ def test_trains_a_real_model():
     x = torch.randn(256, 8, generator=g)
     y = x @ torch.randn(8, 1, generator=g) + 0.1 * torch.randn(256, 1, generator=g)
     for name, lr in [("sgd", 0.05), ("adam", 0.01), ("adamw", 0.01), ("rmsprop", 0.003), ("adagrad", 0.1),
-                     ("lion", 0.01)]:
+                     ("lion", 0.01), ("adamax", 0.01), ("adadelta", 1.0), ("radam", 0.01), ("nadam", 0.01), ("asgd", 0.05),
+                     ("rprop", 0.001)]:
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
         opt = fastoptim.create(model, name, lr=lr)

@@ -41,6 +41,9 @@ class Twin(np.ndarray):
     def maximum(self, other):
         return np.maximum(self, other)
 
+    def clamp(self, lo, hi):
+        return np.minimum(np.maximum(self, lo), hi)
+
 
 def _twin(t: torch.Tensor) -> Twin:
     return t.detach().float().numpy().copy().view(Twin)
@@ -54,7 +57,8 @@ def _stored(value, p):
 def _oracle(opt, params, step, grad_mul=None):
     """Step ``step``'s params and states, computed from what is stored now, per param."""
     rule, group = opt.rule, opt.param_groups[0]
-    scalars = [np.float32(float(s)) for s in rule.scalars(group, step)]
+    host = rule.host_values(opt.state[params[0]], group)  # (NAdam's mu_product: the same for every param here)
+    scalars = [np.float32(float(s)) for s in rule.scalars(group, step, *host)]
     out = []
     for p in params:
         entry = opt.state[p]

@@ -193,7 +193,10 @@ def test_flat_sgd_loads_torch_state_with_first_step_semantics(saved_steps):
 
 
 TENSOR_HYPER = {"sgd": ("lr", "momentum"), "adam": ("lr", "betas"), "adamw": ("lr", "betas"),
-                "rmsprop": ("lr", "momentum"), "adagrad": ("lr",), "lion": ("lr", "betas")}
+                "rmsprop": ("lr", "momentum"), "adagrad": ("lr",), "lion": ("lr", "betas"),
+                "adamax": ("lr", "betas"), "adadelta": ("lr", "rho"), "radam": ("lr", "betas"),
+                "rprop": ("lr", "etas", "step_sizes"), "nadam": ("lr", "betas", "momentum_decay"),
+                "asgd": ("lr", "lambd", "alpha", "t0")}
 
 
 def _as_tensors(group: dict, keys) -> None:

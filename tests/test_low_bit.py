@@ -49,6 +49,9 @@ def test_per_step_error_against_32_bit_with_state_resynced(name, bits):
     low_p = [torch.nn.Parameter(p.detach().clone()) for p in full_p]
     full = spec.cls(full_p, impl="loop", **_option(name))
     low = spec.cls(low_p, impl="loop", state_bits=bits, min_quant_size=0, **_option(name))
+    # ASGD's one state is ax, the running average of the params, which never feeds back into them: its storage
+    # shows in ax alone, measured as ax's error over ax's norm (16-bit 0.19 %, 8-bit 1.1 %, 4-bit 14 %)
+    feeds_back = name != "asgd"
     worst = 0.0
     for _ in range(8):
         with torch.no_grad():
@@ -62,10 +65,15 @@ def test_per_step_error_against_32_bit_with_state_resynced(name, bits):
         low.step()
         update = torch.cat([(p - b).flatten() for p, b in zip(full_p, before)])
         error = torch.cat([(a - b).flatten() for a, b in zip(low_p, full_p)])
+        if not feeds_back:
+            update = torch.cat([full.state[b]["ax"].flatten() for b in full_p])
+            error = torch.cat([(storage.torch_value(low.state[a]["ax"], a) - full.state[b]["ax"]).flatten()
+                               for a, b in zip(low_p, full_p)])
         worst = max(worst, (error.norm() / update.norm()).item())
     limit = (STEP_ERROR_LION if name == "lion" else STEP_ERROR)[bits]
     assert 0 < worst < limit, worst  # > 0: the state really is stored at fewer bits
-    kinds = {type(v).__name__ for s in low.state.values() for k, v in s.items() if k != "step"}
+    kinds = {type(v).__name__ for s in low.state.values() for k, v in s.items()
+             if k != "step" and k not in spec.cls.rule.host_states}
     assert kinds == ({"Tensor"} if bits == 16 else {"QuantizedState", "Tensor"})
 
 
@@ -402,7 +410,7 @@ def test_flat_mode_steps_low_bit_state_as_without_it(name, bits):
     tail = sum(p.numel() for i, p in enumerate(flat_p) if i not in quantized)
     for i, p in enumerate(flat_p):
         for k, v in flat.state[p].items():
-            if k == "step":
+            if k == "step" or k in flat.rule.host_states:  # (host numbers)
                 continue
             if i in quantized:
                 assert isinstance(v, storage.QuantizedState)

@@ -26,8 +26,8 @@ def _assert_state_close(ours, ref, ours_p, ref_p, **tol):
     for a, b in zip(ours_p, ref_p):
         sa, sb = ours.state[a], ref.state[b]
         for k, vb in sb.items():
-            if k == "step":
-                assert float(sa["step"]) == float(vb)
+            if k == "step" or k in ours.rule.host_states:  # host numbers here, 0-d tensors in torch
+                assert float(sa[k]) == float(vb), k
             elif isinstance(vb, torch.Tensor):
                 assert_state_close(sa[k], vb, msg=f"state {k!r}", **tol)
 
@@ -78,11 +78,17 @@ LOW_PRECISION_OPTIONS = {
     "rmsprop": dict(lr=1e-2, alpha=0.9, momentum=0.5, centered=True),
     "adagrad": dict(lr=0.1, lr_decay=0.1, weight_decay=0.1, initial_accumulator_value=0.1),
     "lion": dict(lr=1e-2, betas=(0.9, 0.99), weight_decay=2.0),
+    "adamax": dict(lr=1e-2, betas=(0.8, 0.9), weight_decay=0.5),
+    "adadelta": dict(lr=1.0, rho=0.8, weight_decay=0.5, eps=1e-4),
+    "radam": dict(lr=1e-2, betas=(0.8, 0.9), weight_decay=2.0, decoupled_weight_decay=True),
+    "rprop": dict(lr=1e-2, etas=(0.4, 1.5), step_sizes=(1e-3, 0.05), maximize=True),
+    "nadam": dict(lr=1e-2, betas=(0.8, 0.9), weight_decay=0.5, momentum_decay=0.05),
+    "asgd": dict(lr=5e-2, lambd=0.5, t0=3, weight_decay=0.5),
 }
 # fp16 state: a second moment of a grad below ~2e-4 underflows to fp16's subnormals or to 0, and an eps of 1e-8
 # is 0 in fp16, so a per-op step divides by 0. torch's own fp16 test data sets eps=0.1 for this reason; 1e-3
 # keeps every intermediate finite here (with 1e-8 this test fails: the steps overflow to inf).
-FP16_OPTIONS = {"adam": dict(eps=1e-3), "adamw": dict(eps=1e-3), "rmsprop": dict(eps=1e-3)}
+FP16_OPTIONS = {"adam": dict(eps=1e-3), "adamw": dict(eps=1e-3), "rmsprop": dict(eps=1e-3), "nadam": dict(eps=1e-3)}
 
 
 class _Bounded:
@@ -94,6 +100,7 @@ class _Bounded:
     Each operation combines its operands' bounds in the worst case (first order plus the cross term):
       a ± b: ea + eb            a * b: |a| eb + |b| ea + ea eb            a / b: (ea + |a/b| eb) / (|b| - eb)
       sqrt(a): sqrt(a) - sqrt(max(a - ea, 0))     maximum: max(ea, eb)     sign(a): 0 if |a| > ea, else 2
+      clamp(a, lo, hi): min(ea, hi - lo)
     and then rounds its result: + u (|v| + e) + s/2, with u = eps/2 the dtype's unit roundoff plus 2^-23 for
     the float32 arithmetic torch uses inside a 16-bit op (and for a host scalar's float32 rounding), and s the
     dtype's smallest subnormal (rounding near 0 is absolute, not relative). A result that may overflow, or a
@@ -159,6 +166,10 @@ class _Bounded:
         o = self._lift(other)
         return _Bounded(self.v.maximum(o.v), self.e.maximum(o.e), self.fmt)
 
+    def clamp(self, lo, hi):  # exact; it moves no two values further apart, nor than hi - lo
+        lo, hi = float(lo), float(hi)
+        return _Bounded(self.v.clamp(lo, hi), self.e.clamp(max=max(hi - lo, 0.0)), self.fmt)
+
 
 def _rounding_format(dtype, truncating=False):
     """(unit roundoff, half the smallest subnormal, largest finite) of ``dtype``; a truncating conversion (Triton's
@@ -180,14 +191,14 @@ def _per_op_bound(rule, groups, values, errors, grads, steps, fmt):
 
         def bounded(name):
             v = values[i].get(name)
-            if v is None:  # a state created on the first step (zeros)
-                zeros = torch.zeros_like(g, dtype=torch.float64)
-                return _Bounded(zeros, zeros, fmt)
+            if v is None:  # a state created on the first step, at its initial value in the param's dtype
+                exact = torch.full_like(g, rule.initial_value(name, group), dtype=torch.float64)
+                return _Bounded(exact, (exact.to(g.dtype).double() - exact).abs(), fmt)
             return _Bounded(v, errors[i][name], fmt)
         states = [bounded(n) if on else None for n, on in zip(rule.state_names, rule.active(group))]
         zero = torch.zeros_like(g, dtype=torch.float64)
         result = rule.update(bounded("param"), _Bounded(g.double(), zero, fmt), *states,
-                             *rule.scalars(group, steps[i]), *rule.flags(group))
+                             *rule.scalars(group, steps[i], *rule.host_values(values[i], group)), *rule.flags(group))
         out.append({name: r for name, r in zip(("param", *rule.state_names), result) if r is not None})
     return out
 
@@ -205,7 +216,7 @@ def _snapshot(opt, params):
     for p in params:
         entry = {"param": p.detach().double().clone()}
         for k, v in opt.state[p].items():
-            entry[k] = int(v) if k == "step" else v.detach().double().clone()
+            entry[k] = int(v) if k == "step" else v.detach().double().clone() if isinstance(v, torch.Tensor) else v
         out.append(entry)
     return out
 
@@ -226,7 +237,7 @@ def _round_once_oracle(spec, opts, before, grads, dtype):
     ref = reference_class(spec)(two_groups(ps, opts), **opts, **extra)
     for p, b, g in zip(ps, before, grads):
         p.grad = None if g is None else g.float()
-        ref.state[p] = {k: torch.tensor(float(v)) if k == "step" else v.float()
+        ref.state[p] = {k: torch.tensor(float(v)) if k == "step" or not isinstance(v, torch.Tensor) else v.float()
                         for k, v in b.items() if k != "param"}
     ref.step()
     return [{"param": p.detach().to(dtype), **{k: v.to(dtype) for k, v in ref.state[p].items() if k != "step"}}
@@ -307,7 +318,7 @@ def test_low_precision_params_track_torch(name, level, dtype):
         before = _snapshot(opt, params)
         steps = [_steps_taken(b) for b in before]
         oracle = _round_once_oracle(spec, opts, before, grads, dtype)
-        zero = [{k: torch.zeros_like(v) for k, v in b.items() if k != "step"} for b in before]
+        zero = [{k: torch.zeros_like(v) for k, v in b.items() if isinstance(v, torch.Tensor)} for b in before]
         one_step = _per_op_bound(rule, groups, before, zero, grads, steps, fmt)
         exact_before = _snapshot(exact, exact_p)
         carried = _per_op_bound(rule, groups, exact_before, errors, grads, steps, fmt)

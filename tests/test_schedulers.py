@@ -30,6 +30,10 @@ SCHEDULERS = {
 
 # optimizers whose momentum/beta1 OneCycleLR and CyclicLR cycle
 CASES = [(s, n) for s in SCHEDULERS for n in ("sgd", "adam", "adamw", "rmsprop", "lion")]
+# the others under a few, the ones with betas under those that also cycle beta1
+CASES += [(s, n) for s in ("CyclicLR", "ExponentialLR") for n in ("adamax", "adadelta", "radam", "nadam", "rprop",
+                                                                   "asgd")]
+CASES += [("OneCycleLR", n) for n in ("adamax", "radam", "nadam")]  # (NAdam's mu_product keeps each beta1 it saw)
 
 
 @pytest.mark.parametrize("sched,name", CASES)

@@ -53,7 +53,7 @@ def test_fastoptim_checkpoint_loads_into_torch(name, index):
     _run(ours, ours_p, 5)
     sd = _roundtrip(ours.state_dict())
     for entry in sd["state"].values():  # torch's format: tensor steps, torch's names only
-        assert set(entry) <= {"step", *spec.cls.rule.state_names}
+        assert set(entry) <= {"step", *spec.cls.rule.state_names, *spec.cls.rule.host_states}
         if spec.cls.rule.exports_step:
             assert isinstance(entry["step"], torch.Tensor) and entry["step"].dtype == torch.float32
     torch_p = clone_params(ours_p)

@@ -136,7 +136,7 @@ def test_kernel_unscales_and_skips_with_amp_tensors(interpret, name, index):
     states = [[torch.rand(s, generator=g) for s in shapes] if on else None for on in active]
     scale = torch.tensor(1024.0)
     scaled = [gr * scale for gr in grads]
-    scalars, flags = rule.scalars(group, 3), rule.flags(group)
+    scalars, flags = rule.scalars(group, 3, *rule.host_start(group)), rule.flags(group)
 
     ref_p = [p.clone() for p in params]
     ref_s = [None if s is None else [t.clone() for t in s] for s in states]

@@ -161,6 +161,11 @@ def test_16bit_kernel_step_is_the_loop_level_rounded_once(interpret, name, index
     base_p = [torch.nn.Parameter(p.detach().float()) for p in ours_p]
     ours = spec.cls(ours_p, impl="fused", **opts)
     base = spec.cls(base_p, impl="loop", **opts)
+    group = ours.param_groups[0]
+    starts = {n: rule.initial_value(n, group) for n, on in zip(rule.state_names, rule.active(group)) if on}
+    if not rule.eager_state and any(starts.values()):  # (Rprop's step sizes start at lr: at its 16-bit rounding here)
+        for b in base_p:
+            base.state[b] = {"step": 0, **{n: torch.full_like(b, v).to(dtype).float() for n, v in starts.items()}}
     for step in range(1, 6):
         _set_grads(step, [ours_p])
         for a, b in zip(ours_p, base_p):  # same 16-bit inputs, widened exactly

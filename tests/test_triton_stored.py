@@ -317,7 +317,8 @@ PER_THREAD = ts.TILE_ELEMENTS // (32 * ts.NUM_WARPS)  # elements each thread hol
 V4_FP32 = PER_THREAD * 4 // 16
 
 
-GROUPS = {"sgd": dict(momentum=0.9), "adam": {}, "adamw": {}, "rmsprop": {}, "adagrad": {}, "lion": {}}
+GROUPS = {"sgd": dict(momentum=0.9), "adam": {}, "adamw": {}, "rmsprop": {}, "adagrad": {}, "lion": {},
+          "adamax": {}, "adadelta": {}, "radam": {}, "nadam": {}, "rprop": {}, "asgd": {}}
 
 
 @pytest.mark.parametrize("capability", [80, 90])

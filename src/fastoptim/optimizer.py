@@ -242,7 +242,7 @@ class FastOptimizer(torch.optim.Optimizer):
                 self._plans[index] = step_plan
             else:
                 self._plans.pop(index, None)
-        taken = step_plan.advance(self.rule.exports_step)
+        taken = step_plan.advance(self.rule, group)
         if amp.found_inf is not None:
             amp.taken.extend(taken)
         rule, run = self.rule, None
@@ -256,7 +256,7 @@ class FastOptimizer(torch.optim.Optimizer):
             rounded = storage.rounds_in_fp32(bucket.params[0].dtype, rounding)
             if bucket.staged is None:  # plain formats are checked to be the param's dtype: never staged
                 bucket.staged = rounded or bits != 32 and storage.needs_staging(bucket.params, bucket.states)
-            args = (group, bucket.step, rule.scalars(group, bucket.step), flags, amp.grad_mul)
+            args = (group, bucket.step, rule.scalars(group, bucket.step, *bucket.host_before), flags, amp.grad_mul)
             if not bucket.staged:
                 run(rule, level_bucket, *args, **extra)
                 continue
@@ -360,7 +360,7 @@ class FastOptimizer(torch.optim.Optimizer):
         for index, state in sd["state"].items():
             entry = {}
             for k, v in state.items():
-                if k == "step":
+                if k == "step" or k in self.rule.host_states:
                     v = torch.tensor(float(v), dtype=scalar_dtype)
                 entry[k] = v
             exported[index] = storage.export_entry(entry)
@@ -435,6 +435,9 @@ class FastOptimizer(torch.optim.Optimizer):
             step = s.get("step")
             if isinstance(step, Tensor):
                 plan.quiet_set(s, "step", int(step.item()))
+            for name in self.rule.host_states:  # floats, as the step count is
+                if isinstance(s.get(name), Tensor) and s[name].numel() == 1:
+                    plan.quiet_set(s, name, s[name].item())
 
     def _check_state_dict(self, state_dict: dict[str, Any]) -> list[tuple]:
         """Everything torch.optim would only find halfway through loading, found before anything changes.
@@ -466,7 +469,7 @@ class FastOptimizer(torch.optim.Optimizer):
             p = by_id[index]
             plain, parts = storage.split_quantized(state)
             for name, value in plain.items():
-                if name == "step" or not isinstance(value, Tensor):
+                if name == "step" or name in self.rule.host_states or not isinstance(value, Tensor):
                     continue
                 if name == storage.RNG:  # the rounding's random stream: [seed, draws]
                     if value.dtype != torch.int64 or tuple(value.shape) != (2,):

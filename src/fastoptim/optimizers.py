@@ -13,7 +13,8 @@ torch.optim's ``foreach=True`` / ``fused=True`` are accepted as spellings of ``i
 from __future__ import annotations
 
 from .optimizer import FastOptimizer
-from .rules import AdagradRule, AdamRule, LionRule, RMSpropRule, SGDRule
+from .rules import (AdadeltaRule, AdagradRule, ASGDRule, AdamaxRule, AdamRule, LionRule, NAdamRule, RAdamRule, RMSpropRule, RpropRule,
+                    SGDRule)
 
 
 def _impl(impl: str, foreach: bool | None, fused: bool | None) -> str:
@@ -85,3 +86,65 @@ class Lion(FastOptimizer):
         super().__init__(params, _impl(impl, foreach, fused), flat, max_grad_norm, state_bits, min_quant_size, rounding, lr=lr, betas=betas,
                          weight_decay=weight_decay,
                          maximize=maximize)
+
+
+class Adamax(FastOptimizer):
+    rule = AdamaxRule()
+
+    def __init__(self, params, lr=2e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, foreach=None, *,
+                 maximize=False, impl="auto", flat=False, max_grad_norm=None, state_bits=32,
+                 min_quant_size=4096, rounding="nearest", fused=None):
+        super().__init__(params, _impl(impl, foreach, fused), flat, max_grad_norm, state_bits, min_quant_size, rounding,
+                         lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, maximize=maximize)
+
+
+class Adadelta(FastOptimizer):
+    rule = AdadeltaRule()
+
+    def __init__(self, params, lr=1.0, rho=0.9, eps=1e-6, weight_decay=0.0, foreach=None, *,
+                 maximize=False, impl="auto", flat=False, max_grad_norm=None, state_bits=32,
+                 min_quant_size=4096, rounding="nearest", fused=None):
+        super().__init__(params, _impl(impl, foreach, fused), flat, max_grad_norm, state_bits, min_quant_size, rounding,
+                         lr=lr, rho=rho, eps=eps, weight_decay=weight_decay, maximize=maximize)
+
+
+class RAdam(FastOptimizer):
+    rule = RAdamRule()
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
+                 decoupled_weight_decay=False, *, maximize=False, impl="auto", flat=False, max_grad_norm=None,
+                 state_bits=32, min_quant_size=4096, rounding="nearest", foreach=None, fused=None):
+        super().__init__(params, _impl(impl, foreach, fused), flat, max_grad_norm, state_bits, min_quant_size, rounding,
+                         lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                         decoupled_weight_decay=decoupled_weight_decay, maximize=maximize)
+
+
+class NAdam(FastOptimizer):
+    rule = NAdamRule()
+
+    def __init__(self, params, lr=2e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, momentum_decay=4e-3,
+                 decoupled_weight_decay=False, *, maximize=False, impl="auto", flat=False, max_grad_norm=None,
+                 state_bits=32, min_quant_size=4096, rounding="nearest", foreach=None, fused=None):
+        super().__init__(params, _impl(impl, foreach, fused), flat, max_grad_norm, state_bits, min_quant_size, rounding,
+                         lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, momentum_decay=momentum_decay,
+                         decoupled_weight_decay=decoupled_weight_decay, maximize=maximize)
+
+
+class Rprop(FastOptimizer):
+    rule = RpropRule()
+
+    def __init__(self, params, lr=1e-2, etas=(0.5, 1.2), step_sizes=(1e-6, 50), *,
+                 maximize=False, impl="auto", flat=False, max_grad_norm=None, state_bits=32,
+                 min_quant_size=4096, rounding="nearest", foreach=None, fused=None):
+        super().__init__(params, _impl(impl, foreach, fused), flat, max_grad_norm, state_bits, min_quant_size, rounding,
+                         lr=lr, etas=etas, step_sizes=step_sizes, maximize=maximize)
+
+
+class ASGD(FastOptimizer):
+    rule = ASGDRule()
+
+    def __init__(self, params, lr=1e-2, lambd=1e-4, alpha=0.75, t0=1e6, weight_decay=0.0, foreach=None,
+                 maximize=False, *, impl="auto", flat=False, max_grad_norm=None, state_bits=32, min_quant_size=4096,
+                 rounding="nearest", fused=None):
+        super().__init__(params, _impl(impl, foreach, fused), flat, max_grad_norm, state_bits, min_quant_size, rounding,
+                         lr=lr, lambd=lambd, alpha=alpha, t0=t0, weight_decay=weight_decay, maximize=maximize)

@@ -27,7 +27,8 @@ Not seen: a state tensor re-laid in place (``state["exp_avg"].t_()``): assign a 
 Step counters. For the rules torch keeps a counter for (``rule.exports_step``) the count is the
 ``"step"`` entry of the param's state dict, a Python int (no tensor ops, no syncs); ``state_dict()``
 writes it as torch does. For SGD and Lion torch keeps none: as in torch, a param whose state lacks the
-rule's tensors is at its first step.
+rule's tensors is at its first step. A rule's ``host_states`` (NAdam's ``mu_product``) are kept the same way,
+host floats moved by ``advance``; params step together only where they hold the same values.
 """
 
 from __future__ import annotations
@@ -201,6 +202,8 @@ class PlanBucket:
     dicts: list = field(default_factory=list)  # the owners' state dicts (None: no state), set at commit
     cache: dict = field(default_factory=dict)  # the level's own (the fused level's tensor table)
     staged: bool | None = None         # some state is not plain (``storage.run_staged``); None: not yet known
+    host: tuple = ()                   # the rule's ``host_states`` before the next step, the same for every param
+    host_before: tuple = ()            # ... and before the step being run (what ``rule.scalars`` gets)
 
     def grads(self, group_grads: list[Tensor] | None) -> list[Tensor]:
         """This step's grads for the bucket, from the group's (None in flat mode: the grads are views)."""
@@ -255,22 +258,31 @@ class Plan:
         if self.reusable:
             self.layouts = layouts(self.params)
 
-    def advance(self, exports_step: bool) -> list[tuple]:
-        """Count one step for every bucket; returns what ``take_back`` needs if the kernels skip it."""
+    def advance(self, rule, group: dict) -> list[tuple]:
+        """Count one step for every bucket (and move the rule's ``host_states`` with it, from ``group``'s
+        hyper-parameters of this step); returns what ``take_back`` needs if the kernels skip it."""
         created, self.created = self.created, {}
         setitem = dict.__setitem__  # the plan's own bookkeeping: not counted as a change
+        names = rule.host_states
         for bucket in self.buckets:
             bucket.step = step = bucket.step + 1
-            if exports_step:
+            if rule.exports_step:
                 for state in bucket.dicts:
                     setitem(state, "step", step)
-        return [(bucket.owners, bucket.dicts, created) for bucket in self.buckets]
+            if names:
+                bucket.host_before = bucket.host
+                bucket.host = rule.host_step(group, step, bucket.host)
+                for state in bucket.dicts:
+                    for name, value in zip(names, bucket.host):
+                        setitem(state, name, value)
+        return [(bucket.owners, bucket.dicts, created, dict(zip(names, bucket.host_before)))
+                for bucket in self.buckets]
 
 
 def take_back(state_map: StateMap, taken: list, exports_step: bool) -> None:
     """A step the kernels skipped: counters go back one; the states the step created go away, as if it
     never ran (torch.optim has no state for a param before its first step)."""
-    for owners, dicts, created in taken:
+    for owners, dicts, created, host_before in taken:
         for p, state in zip(owners, dicts):
             if state is None:
                 continue
@@ -279,8 +291,25 @@ def take_back(state_map: StateMap, taken: list, exports_step: bool) -> None:
                 state.pop(name, None)
             if exports_step and "step" not in made:
                 state["step"] = state["step"] - 1
+            for name, value in host_before.items():
+                if name not in made:
+                    state[name] = value
             if not state and state_map.get(p) is state:
                 del state_map[p]
+
+
+def _host(plan: Plan, rule, group: dict, p: Tensor, state: dict | None) -> tuple:
+    """A param's ``rule.host_states`` (checked); those it has none of yet wait in ``plan.pending``."""
+    if not rule.host_states:
+        return ()
+    values = rule.host_values(state, group)
+    missing = tuple(name for name in rule.host_states if state is None or name not in state)
+    for name, value in zip(rule.host_states, values):
+        if name in missing:
+            plan.pending.append((p, name, value, None))
+    if missing:
+        plan.created[id(p)] = plan.created.get(id(p), ()) + missing
+    return values
 
 
 def _local_real(t: Tensor) -> Tensor:
@@ -379,16 +408,17 @@ def build(rule, group: dict, params: list[Tensor], state_map: StateMap, state_fo
                 return storage.make(p, fmt, rule.initial_value(name, group)), None
             return _adopt(value, p, fmt, name, param_index(p)), None
         tensors, count = _param_states(plan, p, state_map.get(p), names, rule.exports_step, make, param_index)
+        host = _host(plan, rule, group, p, state_map.get(p))
         owner = p
         convert = is_dtensor(p) or p.is_complex()
         if convert:  # views made anew every step: such a group is planned afresh every step
             plan.reusable = False
             p, tensors = _local_real(p), [_local_real(t) for t in tensors]
-        key = (p.device, p.dtype, count)
+        key = (p.device, p.dtype, count, host)
         bucket = buckets.get(key)
         if bucket is None:
             bucket = buckets[key] = PlanBucket(key[:2], count, [], [[] if on else None for on in active], [], [],
-                                               convert=convert)
+                                               convert=convert, host=host)
         bucket.params.append(p)
         bucket.owners.append(owner)
         bucket.positions.append(position)
@@ -434,7 +464,7 @@ def _build_flat(plan: Plan, rule, group: dict, fb: FlatBucket, names: list[str],
             view = views[name][i]
             return view, (fills[name] if value is None else None if value is view else adopted)
         ts, count = _param_states(plan, p, plan.state_map.get(p), names, rule.exports_step, make, param_index)
-        counts.append(count)
+        counts.append((count, _host(plan, rule, group, p, plan.state_map.get(p))))
         tensors.append(ts)
 
     column = {name: k for k, name in enumerate(names)}
@@ -443,20 +473,21 @@ def _build_flat(plan: Plan, rule, group: dict, fb: FlatBucket, names: list[str],
         return [[tensors[i][column[n]] for i in members] if n in column else None for n in rule.state_names]
 
     if len(set(counts)) == 1:  # the usual case: one pass over each flat buffer (and one kernel call for the rest)
+        count, host = counts[0]
         if start:
-            plan.buckets.append(PlanBucket((fb.device, fb.dtype), counts[0], list(fb.params[:start]),
-                                           states(list(range(start))), list(fb.params[:start]), None))
+            plan.buckets.append(PlanBucket((fb.device, fb.dtype), count, list(fb.params[:start]),
+                                           states(list(range(start))), list(fb.params[:start]), None, host=host))
         if start < len(fb.params):
             off = fb.offset(start)
             buffers = [[fb.state_buffers[n]] if n in views else None for n in rule.state_names]
-            plan.buckets.append(PlanBucket((fb.device, fb.dtype), counts[0], [fb.param_buffer[off:]], buffers,
-                                           list(fb.params[start:]), None, flat_grad=fb.grad_buffer[off:]))
+            plan.buckets.append(PlanBucket((fb.device, fb.dtype), count, [fb.param_buffer[off:]], buffers,
+                                           list(fb.params[start:]), None, flat_grad=fb.grad_buffer[off:], host=host))
         return
     # params at different counts (a reset state, a partial checkpoint): per param, on the views
-    by_count: dict[int, list[int]] = {}
+    by_count: dict[tuple, list[int]] = {}
     for i, c in enumerate(counts):
         by_count.setdefault(c, []).append(i)
-    for c, members in by_count.items():
+    for (c, host), members in by_count.items():
         owners = [fb.params[i] for i in members]
         plan.buckets.append(PlanBucket((fb.device, fb.dtype), c, owners, states(members), owners,
-                                       [positions[id(p)] for p in owners]))
+                                       [positions[id(p)] for p in owners], host=host))

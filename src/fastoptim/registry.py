@@ -49,6 +49,36 @@ OPTIMIZERS: dict[str, OptimizerSpec] = {spec.name: spec for spec in (
         dict(lr=1e-1, lr_decay=0.01, weight_decay=0.1, initial_accumulator_value=0.1),
         dict(lr=1e-1, maximize=True, eps=1e-6),
     )),
+    OptimizerSpec("adamax", optimizers.Adamax, "Adamax", (
+        dict(lr=1e-2),
+        dict(lr=1e-2, betas=(0.8, 0.9), weight_decay=0.1, eps=1e-6),
+        dict(lr=1e-2, maximize=True, weight_decay=0.05),
+    )),
+    OptimizerSpec("adadelta", optimizers.Adadelta, "Adadelta", (
+        dict(lr=1.0),
+        dict(lr=0.5, rho=0.8, weight_decay=0.1, eps=1e-4),
+        dict(lr=1.0, maximize=True, weight_decay=0.05),
+    )),
+    OptimizerSpec("radam", optimizers.RAdam, "RAdam", (
+        dict(lr=1e-2),
+        dict(lr=1e-2, betas=(0.8, 0.9), weight_decay=0.1, eps=1e-6),
+        dict(lr=1e-2, weight_decay=0.3, decoupled_weight_decay=True, maximize=True),
+    )),
+    OptimizerSpec("nadam", optimizers.NAdam, "NAdam", (
+        dict(lr=1e-2),
+        dict(lr=1e-2, betas=(0.8, 0.9), weight_decay=0.1, momentum_decay=0.05, eps=1e-6),
+        dict(lr=1e-2, weight_decay=0.3, decoupled_weight_decay=True, maximize=True),
+    )),
+    OptimizerSpec("rprop", optimizers.Rprop, "Rprop", (
+        dict(lr=1e-2),
+        dict(lr=1e-2, etas=(0.4, 1.5), step_sizes=(1e-3, 0.05)),
+        dict(lr=1e-2, maximize=True),
+    )),
+    OptimizerSpec("asgd", optimizers.ASGD, "ASGD", (
+        dict(lr=1e-2),
+        dict(lr=5e-2, lambd=0.1, alpha=0.5, t0=5, weight_decay=0.1),
+        dict(lr=1e-2, t0=2, maximize=True),
+    )),
     OptimizerSpec("lion", optimizers.Lion, None, (
         dict(lr=1e-3),
         dict(lr=1e-3, betas=(0.95, 0.98), weight_decay=0.5),

@@ -72,6 +72,9 @@ class Sym:
     def maximum(self, other):  # torch.maximum: NaN wins
         return self._op("fo_maximum({}, {})", self, other)
 
+    def clamp(self, lo, hi):  # torch.clamp: NaN stays NaN
+        return self._op("fo_minimum(fo_maximum({}, {}), {})", self, lo, hi)
+
     def __bool__(self):
         raise TypeError("a rule's update branches on FLAGS only, never on a tensor's values")
 

@@ -120,6 +120,7 @@ extern "C" int fo_simd_width() {
 }
 
 static inline float fo_maximum(float a, float b) { return (a != a || b != b) ? a + b : (a > b ? a : b); }
+static inline float fo_minimum(float a, float b) { return (a != a || b != b) ? a + b : (a < b ? a : b); }
 
 // |x|'s bits: integer max over them orders them as the values (NaN above inf), so it finds the block's absmax
 static inline uint32_t magnitude_bits(float x) { uint32_t u; std::memcpy(&u, &x, 4); return u & 0x7FFFFFFFu; }

@@ -63,6 +63,9 @@ class TensorList:
     def maximum(self, other):
         return self._binary(torch._foreach_maximum, self, other)
 
+    def clamp(self, lo, hi):
+        return TensorList(torch._foreach_clamp_max(torch._foreach_clamp_min(self.tensors, lo), hi))
+
 
 def apply(update: Callable, params: list[Tensor], grads: list[Tensor], states: Sequence[list[Tensor] | None],
           scalars: tuple, flags: tuple) -> None:

@@ -72,6 +72,10 @@ def _maximum(a, b):
     return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
 
 
+def _clamp(x, lo, hi):
+    return tl.minimum(tl.maximum(x, lo, propagate_nan=tl.PropagateNan.ALL), hi, propagate_nan=tl.PropagateNan.ALL)
+
+
 def interpreting() -> bool:
     """``TRITON_INTERPRET=1``: kernels run in Triton's interpreter, on CPU tensors."""
     return os.environ.get("TRITON_INTERPRET") == "1"
@@ -88,7 +92,8 @@ def _jit(fn: Callable, interpret: bool):
 
 @lru_cache(maxsize=None)
 def _prims(interpret: bool) -> dict:
-    return {"sqrt": _jit(_sqrt, interpret), "sign": _jit(_sign, interpret), "maximum": _jit(_maximum, interpret)}
+    return {"sqrt": _jit(_sqrt, interpret), "sign": _jit(_sign, interpret), "maximum": _jit(_maximum, interpret),
+            "clamp": _jit(_clamp, interpret)}
 
 
 class _IEEEDivision(ast.NodeTransformer):
@@ -305,7 +310,7 @@ def compile_for_gpu(rule, group: dict, dtype: torch.dtype = torch.float32, capab
 
     active = tuple(rule.active(group))
     flags = rule.flags(group)
-    n_scalars = len(rule.scalars(group, 1))
+    n_scalars = len(rule.scalars(group, 1, *rule.host_start(group)))
     kernel = kernel_for(rule.update, tuple(rule.state_names), active, n_scalars, len(flags), False)
     signature = {"table": "*i64", "chunks": "*i64", "grad_mul": "*fp32", "found_inf": "*fp32",
                  "scalars": "*fp32"}

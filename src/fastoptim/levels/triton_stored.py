@@ -432,7 +432,7 @@ def compile_for_gpu(rule, group: dict, formats: tuple, capability: int = 90, gra
     from triton.compiler import ASTSource
 
     flags = rule.flags(group)
-    n_scalars = len(rule.scalars(group, 1))
+    n_scalars = len(rule.scalars(group, 1, *rule.host_start(group)))
     bits = next(f.bits for f in formats if f is not None)
     kernel = kernel_for(rule.update, formats, n_scalars, len(flags), False, rounding)
     signature = {"table": "*i64", "work": "*i64", "grad_mul": "*fp32", "found_inf": "*fp32", "scalars": "*fp32",

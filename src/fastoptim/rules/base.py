@@ -7,6 +7,8 @@ A rule supplies
   * ``active``        which of ``state_names`` a group needs (e.g. ``max_exp_avg_sq`` only with amsgrad);
   * ``flags``         booleans fixed for a run (branch conditions inside ``update``);
   * ``scalars``       host-side numbers for one step (bias corrections, step size, ``1 - lr*wd``);
+  * ``host_states``   torch's per-param 0-d states (NAdam's ``mu_product``, ASGD's ``eta`` and ``mu``), kept as host
+                      floats and moved by ``host_step``; ``scalars`` gets their values before the step;
   * ``update``        the elementwise math: ``update(p, g, *states, *scalars, *FLAGS) -> (p, *states)``.
 
 ``update`` receives every state in ``state_names`` order, ``None`` for the inactive ones, and returns them
@@ -35,6 +37,10 @@ class Rule:
     # states that are never negative (second moments, sums of squares): kept with unsigned maps at 8/4 bits
     unsigned_states: ClassVar[frozenset] = frozenset()
     update: ClassVar[Callable[..., tuple]]
+    # torch.optim's per-param 0-d tensor states that hold one number moved by the step count and the
+    # hyper-parameters alone (NAdam's mu_product): kept here as host floats in the param's state dict, as the step
+    # count is, and written as torch's 0-d tensors by state_dict(). ``scalars`` gets their values before the step.
+    host_states: ClassVar[tuple[str, ...]] = ()
 
     def validate(self, group: dict) -> None:
         raise NotImplementedError
@@ -45,11 +51,37 @@ class Rule:
     def flags(self, group: dict) -> tuple[bool, ...]:
         raise NotImplementedError
 
-    def scalars(self, group: dict, step: int) -> tuple[float, ...]:
+    def scalars(self, group: dict, step: int, *host: float) -> tuple[float, ...]:
         raise NotImplementedError
 
     def initial_value(self, name: str, group: dict) -> float:
         return 0.0
+
+    def host_start(self, group: dict) -> tuple[float, ...]:
+        """``host_states`` of a param before its first step."""
+        return ()
+
+    def host_step(self, group: dict, step: int, values: tuple[float, ...]) -> tuple[float, ...]:
+        """``host_states`` after step ``step`` from their ``values`` before it."""
+        return values
+
+    def host_values(self, state: dict | None, group: dict) -> tuple[float, ...]:
+        """A param's ``host_states`` as floats: from its state dict (a torch checkpoint's 0-d tensors too), or
+        where it has none yet, their values before a first step."""
+        if not self.host_states:
+            return ()
+        start = self.host_start(group)
+        out = []
+        for name, first in zip(self.host_states, start):
+            value = first if state is None or name not in state else state[name]
+            if isinstance(value, torch.Tensor):
+                if value.numel() != 1:
+                    raise ValueError(f"state {name!r} must hold one number, got a tensor of shape {tuple(value.shape)}")
+                value = value.item()
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise TypeError(f"state {name!r} must be a number, got {value!r}")
+            out.append(float(value))
+        return tuple(out)
 
     def refuses_quantized_state(self, group: dict) -> str | None:
         """Why this group's math cannot run on 8/4-bit state (None: it can)."""

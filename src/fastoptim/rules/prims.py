@@ -15,3 +15,8 @@ def sign(x):
 
 def maximum(a, b):
     return a.maximum(b)
+
+
+def clamp(x, lo, hi):
+    """``min(max(x, lo), hi)`` as torch.clamp: NaN stays NaN; ``lo`` and ``hi`` are scalars."""
+    return x.clamp(lo, hi)

@@ -1,0 +1,50 @@
+r"""Adadelta (Zeiler 2012, "ADADELTA: An Adaptive Learning Rate Method"), torch.optim.Adadelta's semantics.
+
+    g <- -g                         if maximize
+    g <- g + wd * p                 if weight_decay != 0
+    s <- rho s + (1 - rho) g^2
+    d <- sqrt(a + eps) / sqrt(s + eps) * g
+    a <- rho a + (1 - rho) d^2
+    p <- p - lr d
+"""
+
+from __future__ import annotations
+
+from .base import Rule, _number, check_bool, check_nonnegative, nonzero
+from .prims import sqrt
+
+
+def adadelta_update(p, g, square_avg, acc_delta,
+                    lr, rho, one_minus_rho, eps, weight_decay,
+                    MAXIMIZE, WEIGHT_DECAY):
+    if MAXIMIZE:
+        g = -g
+    if WEIGHT_DECAY:
+        g = g + weight_decay * p
+    square_avg = square_avg * rho + g * g * one_minus_rho
+    delta = sqrt(acc_delta + eps) / sqrt(square_avg + eps) * g
+    acc_delta = acc_delta * rho + delta * delta * one_minus_rho
+    p = p - lr * delta
+    return p, square_avg, acc_delta
+
+
+class AdadeltaRule(Rule):
+    name = "adadelta"
+    defaults = dict(lr=1.0, rho=0.9, eps=1e-6, weight_decay=0.0, maximize=False)
+    state_names = ("square_avg", "acc_delta")
+    unsigned_states = frozenset({"square_avg", "acc_delta"})
+    update = staticmethod(adadelta_update)
+
+    def validate(self, group):
+        check_nonnegative(group, "lr", "eps", "weight_decay")
+        rho = _number("rho", group["rho"])
+        if rho is not None and not 0.0 <= rho <= 1.0:
+            raise ValueError(f"Invalid rho: {rho} (must be in [0, 1])")
+        check_bool(group, "maximize")
+
+    def flags(self, group):
+        return (group["maximize"], nonzero(group["weight_decay"]))
+
+    def scalars(self, group, step):
+        rho = group["rho"]
+        return (group["lr"], rho, 1 - rho, group["eps"], group["weight_decay"])
