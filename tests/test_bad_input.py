@@ -124,7 +124,7 @@ def test_unknown_impl_lists_valid_values():
 
 def test_unknown_optimizer_name_lists_valid_names():
     with pytest.raises(ValueError) as err:
-        fastoptim.create(make_params(), "adamax")
+        fastoptim.create(make_params(), "adamq")
     for valid in OPTIMIZERS:
         assert valid in str(err.value)
 

@@ -55,7 +55,7 @@ def test_bench_a_users_module_with_installed_peers(tmp_path):
     (["bench", "--workload", "nope"], "unknown workload"),
     (["bench", "--workload", "no.such.module:thing"], "cannot load workload"),
     (["bench", "--params", "lots"], "not a parameter count"),
-    (["bench", "--optimizer", "adamax"], "invalid choice"),
+    (["bench", "--optimizer", "adamq"], "invalid choice"),
 ])
 def test_bad_flags_get_a_clear_message(argv, message):
     proc = subprocess.run([sys.executable, "-m", "fastoptim", *argv], capture_output=True, text=True)

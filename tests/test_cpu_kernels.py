@@ -464,3 +464,26 @@ def test_the_cell_tables_cover_the_8_bit_maps_and_hold_one_boundary_a_cell():
         octaves, cells, bounds = tables
         assert len(octaves) == 64 and len(cells) == 512 and len(bounds) == 256 and bounds[-1] == 2.0
         assert all(0 <= c <= 255 for c in cells)
+
+
+def test_a_grad_of_another_dtype_after_the_first_step_is_not_read_as_fp32():
+    """torch takes a bf16 grad for an fp32 param where ``p.grad_dtype = None``: the kernel's table, made for fp32
+    grads, must never be pointed at it (it would read twice its bytes); the step takes it in the param's dtype,
+    as the loop level's arithmetic promotes it."""
+    init = torch.randn(64, 96, generator=torch.Generator().manual_seed(8))
+    runs = {}
+    for impl in ("fused", "loop"):
+        p = torch.nn.Parameter(init.clone())
+        p.grad_dtype = None
+        opt = fastoptim.AdamW([p], lr=1e-2, impl=impl, state_bits=8, min_quant_size=0)
+        g = torch.Generator().manual_seed(9)
+        for step in range(4):
+            grad = torch.randn(p.shape, generator=g)
+            p.grad = grad if step in (0, 3) else grad.to(torch.bfloat16)
+            with record_paths() as paths:
+                opt.step()
+            if impl == "fused":
+                assert paths == ["cpu_kernel"], (step, paths)
+        runs[impl] = p.detach()
+    assert torch.isfinite(runs["fused"]).all()
+    torch.testing.assert_close(runs["fused"], runs["loop"], rtol=1e-5, atol=1e-6)

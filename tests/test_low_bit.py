@@ -464,3 +464,28 @@ def test_flat_mode_low_bit_checkpoint_and_changed_settings(bits):
     run(ref_p, ref, grads[4:])
     assert_params_close(flat_p, ref_p)
     assert all(v.dtype == torch.bfloat16 for s in flat.state.values() for k, v in s.items() if k != "step")
+
+
+@pytest.mark.parametrize("flat", [False, True])
+@pytest.mark.parametrize("new_bits", [32, 8, 4])
+def test_state_bits_edited_from_16_converts_the_bf16_states_of_every_param(new_bits, flat):
+    """At 16 bits every state is bf16; at 32, or for the small and 1-D params that stay plain at 8/4 bits,
+    the bf16 states convert to the param's dtype at the next step (as torch's loader casts them), and the run
+    goes on as an optimizer started at 16 bits and switched the same way without flat mode."""
+    runs = []
+    for is_flat in (flat, False):
+        params, g = _params(7, FLAT_SHAPES)
+        opt = fastoptim.AdamW(params, lr=1e-2, state_bits=16, min_quant_size=1000, flat=is_flat)
+        for step in range(4):
+            if step == 2:
+                opt.param_groups[0]["state_bits"] = new_bits
+            _grads(g, params)
+            opt.step()
+        runs.append((params, opt))
+    (ps, opt), (ref_ps, _) = runs
+    assert_params_close(ps, ref_ps)
+    for p in ps:
+        for name in ("exp_avg", "exp_avg_sq"):
+            state = opt.state[p][name]
+            kept = storage.format_for(p, name, new_bits, 1000, opt.rule.unsigned_states)
+            assert isinstance(state, storage.QuantizedState) if kept.quantized else state.dtype == torch.float32

@@ -203,3 +203,36 @@ def test_bf16_params_with_quantized_state_step_in_fp32_and_round_once(impl, bits
             off = p.detach().float() != rounded.float()
             one_ulp = rounded.float().abs() * BF16_ULP_AT_1 + 1e-8  # bf16 keeps 8 significant bits
             assert off.float().mean() < 0.01 and ((p.detach().float() - rounded.float()).abs() <= one_ulp).all()
+
+
+@pytest.mark.parametrize("name,bad", [
+    (storage.KAHAN, torch.zeros(3, dtype=torch.bfloat16)),
+    (storage.KAHAN, torch.zeros(16, 16, dtype=torch.int32)),
+    (storage.RNG, torch.zeros(3, dtype=torch.int64)),
+    (storage.RNG, torch.zeros(2, dtype=torch.float32)),
+])
+def test_a_bad_rounding_state_put_in_by_hand_is_named_before_anything_steps(name, bad):
+    mode = "kahan" if name == storage.KAHAN else "stochastic"
+    p = torch.nn.Parameter(torch.randn(16, 16).to(torch.bfloat16))
+    opt = fastoptim.AdamW([p], lr=1e-2, rounding=mode)
+    p.grad = torch.randn_like(p)
+    opt.step()
+    opt.state[p][name] = bad
+    before = copy.deepcopy(opt.state_dict())
+    param_before = p.detach().clone()
+    with pytest.raises(ValueError, match=f"state '{name}' of param 0 must be"):
+        opt.step()
+    assert torch.equal(p.detach(), param_before)
+    after = opt.state_dict()
+    for k, v in before["state"][0].items():
+        assert torch.equal(v, after["state"][0][k]) if isinstance(v, torch.Tensor) else v == after["state"][0][k], k
+
+
+def test_complex32_params_with_stochastic_or_kahan_rounding_are_refused_by_name():
+    p = torch.nn.Parameter(torch.randn(8, 2).to(torch.complex32))
+    for mode in ("stochastic", "kahan"):
+        opt = fastoptim.AdamW([p], rounding=mode)
+        p.grad = torch.randn(8, 2).to(torch.complex32)
+        with pytest.raises(ValueError, match="complex32 params: use rounding='nearest'"):
+            opt.step()
+        assert not opt.state

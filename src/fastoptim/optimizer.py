@@ -180,6 +180,9 @@ class FastOptimizer(torch.optim.Optimizer):
         if rounding == "stochastic" and any(p.dtype == torch.float16 for p in group.get("params", ())):
             raise ValueError("rounding='stochastic' rounds fp32 to bf16 params; this group has fp16 params: "
                              "use rounding='kahan' for them")
+        if rounding != "nearest" and any(p.dtype == torch.complex32 for p in group.get("params", ())):
+            raise ValueError(f"rounding={rounding!r} takes real bf16/fp16 params; this group has complex32 params: "
+                             "use rounding='nearest' for them")
         why = self.rule.refuses_quantized_state(group) if bits in (8, 4) else None
         if why:
             raise ValueError(f"{type(self).__name__} with state_bits={bits}: {why}")
@@ -229,6 +232,12 @@ class FastOptimizer(torch.optim.Optimizer):
         self._check_storage(group)
         if self.flat:
             self._check_flat_group(index, group)
+        for p in params:  # the rounding's own state, as a user may have put it in: checked before anything runs
+            for name in storage.ROUNDING_STATES:
+                value = self._state[p].get(name) if p in self._state else None
+                why = None if value is None else storage.check_rounding_state(name, value, p)
+                if why:
+                    raise ValueError(f"state {name!r} of param {self._param_index(p)} {why}")
         built = plan.build(self.rule, group, params, self._state, self._state_format, self._param_index,
                            self._flat_buckets[index] if self.flat else None)
         built.active = shape
@@ -305,7 +314,8 @@ class FastOptimizer(torch.optim.Optimizer):
                 plan.take_back(self._state, taken, self.rule.exports_step)
 
     def _collect(self, group: dict) -> tuple[dict, list[Tensor], list[Tensor] | None]:
-        """The params that step and their grads; flat mode: every param (grads are views, never None)."""
+        """The params that step and their grads (in the param's dtype); flat mode: every param (grads are views,
+        never None)."""
         self.rule.validate(group)
         if self.flat:
             return group, group["params"], None
@@ -317,6 +327,8 @@ class FastOptimizer(torch.optim.Optimizer):
             if g.is_sparse:
                 raise RuntimeError(f"{type(self).__name__} does not support sparse gradients "
                                    f"(param {self._param_index(p)}, shape {tuple(p.shape)})")
+            if g.dtype != p.dtype:  # torch takes such a grad where ``p.grad_dtype`` allows: the math promotes it
+                g = g.to(p.dtype)
             params.append(p)
             grads.append(g)
         return group, params, grads
@@ -471,10 +483,11 @@ class FastOptimizer(torch.optim.Optimizer):
             for name, value in plain.items():
                 if name == "step" or name in self.rule.host_states or not isinstance(value, Tensor):
                     continue
+                if name in storage.ROUNDING_STATES:
+                    why = storage.check_rounding_state(name, value.to(p.device), p)
+                    if why:
+                        raise ValueError(f"loaded state dict's {name!r} for param {index} {why}")
                 if name == storage.RNG:  # the rounding's random stream: [seed, draws]
-                    if value.dtype != torch.int64 or tuple(value.shape) != (2,):
-                        raise ValueError(f"loaded state dict's {name!r} for param {index} must be an int64 "
-                                         f"tensor of shape (2,) (seed, draws), got {value.dtype} {tuple(value.shape)}")
                     kept.append((index, p, name, value.clone()))  # past torch's loader, which casts to bf16
                     continue
                 if value.shape != p.shape:

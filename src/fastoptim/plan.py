@@ -347,8 +347,10 @@ def _check_state_tensor(value: Any, p: Tensor, name: str, index: int) -> None:
 
 def _adopt(value: Any, p: Tensor, fmt: storage.Format, name: str, index: int):
     """A state found in the param's dict, in the format it is kept in: plain ones must fit the param as
-    they are; a plain tensor found where another format is kept is converted (a torch.optim checkpoint)."""
-    if fmt.plain and not isinstance(value, storage.QuantizedState):
+    they are; a plain tensor found where another format is kept is converted (a torch.optim checkpoint), and
+    so is a bf16 (16-bit) or quantized one where the state is now plain (``state_bits`` edited)."""
+    kept_at_16 = isinstance(value, Tensor) and value.dtype == torch.bfloat16 != p.dtype and p.is_floating_point()
+    if fmt.plain and not isinstance(value, storage.QuantizedState) and not kept_at_16:
         _check_state_tensor(value, p, name, index)
         return value
     try:

@@ -17,6 +17,7 @@
 
 from __future__ import annotations
 
+import operator
 import warnings
 
 import torch
@@ -103,6 +104,7 @@ def _subset(bucket: Bucket, indices: list[int]) -> Bucket:
 
 
 _kernel_warned: set = set()
+_dtype = operator.attrgetter("dtype")
 
 
 def _warn_staged(why: str) -> None:
@@ -125,10 +127,11 @@ def run_stored(rule, bucket: Bucket, group: dict, step: int, scalars: tuple, fla
         _warn_staged(why)
         return bucket
     # which params the kernel takes, and its tables: made once per bucket (its params and states are fixed
-    # while the step plan holds it) and again when a grad's contiguity changes (new grads each step may differ)
-    contiguous = list(map(Tensor.is_contiguous, bucket.grads))
+    # while the step plan holds it) and again when a grad's dtype or contiguity changes (new grads each step
+    # may differ: torch takes a grad of another dtype where ``p.grad_dtype`` allows it)
+    grads_seen = list(zip(map(_dtype, bucket.grads), map(Tensor.is_contiguous, bucket.grads)))
     cached = bucket.cache.get("cpu_kernel")
-    if cached is None or cached[0] != contiguous:
+    if cached is None or cached[0] != grads_seen:
         by_formats: dict[tuple, list[int]] = {}
         rest = []
         for i in range(len(bucket.params)):
@@ -138,7 +141,7 @@ def run_stored(rule, bucket: Bucket, group: dict, step: int, scalars: tuple, fla
         for formats, indices in by_formats.items():
             part = _subset(bucket, indices)
             tables.append((cpu_kernels.Table(part.params, part.grads, part.states, formats), indices))
-        cached = bucket.cache["cpu_kernel"] = (contiguous, tables, rest)
+        cached = bucket.cache["cpu_kernel"] = (grads_seen, tables, rest)
     _, tables, rest = cached
     packed = pack_scalars(scalars, bucket.device)
     mul = None if grad_mul is None else grad_mul.to(bucket.device, torch.float32).reshape(())

@@ -99,6 +99,22 @@ def check_rounding(value: Any) -> str:
     return value
 
 
+def check_rounding_state(name: str, value: Any, p: Tensor) -> str | None:
+    """What is wrong with a rounding state found for ``p`` (None: nothing): ``RNG`` an int64 [seed, draws];
+    ``KAHAN`` a floating tensor of the param's shape on its device."""
+    if name == RNG:
+        if not isinstance(value, Tensor) or value.dtype != torch.int64 or tuple(value.shape) != (2,):
+            got = f"{value.dtype} {tuple(value.shape)}" if isinstance(value, Tensor) else type(value).__name__
+            return f"must be an int64 tensor of shape (2,) (seed, draws), got {got}"
+    elif name == KAHAN:
+        if not isinstance(value, Tensor) or not value.is_floating_point() or value.shape != p.shape \
+                or value.device != p.device:
+            got = f"{value.dtype} {tuple(value.shape)} on {value.device}" if isinstance(value, Tensor) \
+                else type(value).__name__
+            return f"must be a floating tensor of the param's shape {tuple(p.shape)} on {p.device}, got {got}"
+    return None
+
+
 def rounds_in_fp32(dtype: torch.dtype, rounding: str) -> bool:
     """Whether params of ``dtype`` step through fp32 temporaries and are rounded back by ``rounding``: bf16/fp16
     params with stochastic or Kahan rounding. ``"nearest"`` leaves them to the level, as torch.optim does."""
@@ -285,6 +301,8 @@ def adopt(value: Any, p: Tensor, fmt: Format) -> Tensor | QuantizedState:
                          f"{tuple(p.shape)}, device {p.device}")
     wanted = p.dtype if fmt.plain else torch.bfloat16 if fmt.bits == 16 else None
     if wanted is not None and value.dtype != wanted:
+        if fmt.plain and value.dtype == torch.bfloat16 and p.is_floating_point():  # kept at 16 bits before
+            return value.to(p.dtype)
         if fmt.plain:
             raise ValueError(f"has dtype {value.dtype}; the param has dtype {p.dtype}")
         return value.to(torch.bfloat16)  # rounds to nearest
