@@ -107,7 +107,8 @@ def precision_runs(impls: list[str], flat_impls: list[str], state_bits=(), round
     for impl in impls:
         runs += [dict(level=impl, impl=impl, flat=False, state_bits=bits, params="fp32", rounding="nearest")
                  for bits in state_bits if bits != 32]
-        runs += [dict(level=impl, impl=impl, flat=False, state_bits=32, params="bf16", rounding=r) for r in roundings]
+        runs += [dict(level=impl, impl=impl, flat=False, state_bits=32, params="bf16", rounding=r)
+                 for r in roundings]
     return runs
 
 
@@ -160,9 +161,9 @@ def _references_by_optimizer(curves: list[Curve]) -> dict[str, list[Curve]]:
 
 
 def max_differences(curves: list[Curve]) -> list[dict]:
-    """Per fastoptim curve at 32-bit state and fp32 params: the largest |loss - reference loss| at any step against the exactness reference
-    (torch.optim, or Lion's loop in the param dtype), and the final losses; for Lion also the same against the
-    float64 reference (``max_abs_diff_fp64``)."""
+    """Per fastoptim curve at 32-bit state and fp32 params: the largest |loss - reference loss| at any step
+    against the exactness reference (torch.optim, or Lion's loop in the param dtype), and the final losses; for
+    Lion also the same against the float64 reference (``max_abs_diff_fp64``)."""
     out = []
     refs = _references_by_optimizer(curves)
     for c in curves:
