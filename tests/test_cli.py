@@ -27,7 +27,8 @@ def test_bench_quick_writes_json_and_markdown(tmp_path, capsys):
         assert "flat floor" in labels and any("clip_grad_norm_" in label for label in labels)
         for row in result["rows"]:
             assert set(row) == {"label", "library", "impl", "flat", "paths", "median_ms", "min_ms", "max_ms", "samples",
-                                "first_step_ms", "state_mib", "vs_torch_fused", "vs_flat_floor", "error"}
+                                "first_step_ms", "state_mib", "state_bits", "state_bytes", "state_bytes_per_param",
+                                "vs_torch_fused", "vs_flat_floor", "error"}
             assert row["error"] is None and row["median_ms"] > 0 and row["samples"] == 3
             assert row["vs_flat_floor"] is not None
     assert {s["label"] for s in data["schedulers"]} >= {"torch OneCycleLR", "fastoptim OneCycle"}
@@ -153,3 +154,65 @@ def test_bench_state_bits_rows_report_their_state_bytes(tmp_path):
         row = rows[f"fastoptim fused {bits}-bit state"]
         assert row["error"] is None and row["median_ms"] > 0
         assert row["state_mib"] < full * share + 0.1, (bits, row["state_mib"], full)  # 1-D params stay 32-bit
+
+
+class _SharedMapState:
+    """A peer that keeps state as bitsandbytes' 8-bit optimizers do: two uint8 codes per element of every param
+    and one quantization map, the same tensor in every param's state."""
+
+    def __init__(self, params):
+        import torch
+        shared_map = torch.zeros(256)
+        self.state = {p: {"step": 1, "state1": torch.zeros_like(p, dtype=torch.uint8),
+                          "state2": torch.zeros_like(p, dtype=torch.uint8), "qmap1": shared_map} for p in params}
+
+    def step(self):
+        pass
+
+
+def _quantized_state_bytes(shapes, bits: int) -> int:
+    """AdamW's two states at ``bits`` as the README states them: a >= 2-D param of 4096+ elements keeps per
+    row ceil(cols * bits / 8) bytes of codes and one fp32 absmax per block (256 elements at 8 bits, 128 at 4);
+    smaller params keep fp32."""
+    import math
+    total = 0
+    for shape in shapes:
+        numel = math.prod(shape)
+        if len(shape) >= 2 and numel >= 4096:
+            rows, cols = shape[0], numel // shape[0]
+            block = 256 if bits == 8 else 128
+            total += 2 * rows * (math.ceil(cols * bits / 8) + 4 * math.ceil(cols / block))
+        else:
+            total += 2 * 4 * numel
+    return total
+
+
+def test_bench_low_bit_peers_sit_beside_ours_with_exact_state_bytes_per_param(tmp_path, monkeypatch):
+    from fastoptim import bench
+    from fastoptim.bench import peers
+
+    fake8 = peers.Peer("shared-map AdamW8bit", "torch", lambda ps, kw: _SharedMapState(ps), 8)
+    fake4 = peers.Peer("compiling AdamW4bit", "torch", lambda ps, kw: _SharedMapState(ps), 4, compiles=True)
+    monkeypatch.setitem(peers.PEERS, "adamw", [fake8, fake4])
+    labels = {r.label: r.state_bits for r in bench.rows_for("adamw", ["fused"], peers="all", state_bits=(8, 4))}
+    assert labels["shared-map AdamW8bit"] == 8 and labels["compiling AdamW4bit"] == 4
+    assert labels["fastoptim fused 8-bit state"] == 8 and labels["fastoptim fused 4-bit state"] == 4
+    # with fp32 peers: the fast low-bit peer at a width asked for, never one that compiles on its first step
+    assert {r.label for r in bench.rows_for("adamw", ["fused"], peers="fp32")}.isdisjoint(labels.keys() - {
+        "fastoptim fused", "torch loop", "torch foreach", "torch fused", "flat floor"})
+
+    out_json = tmp_path / "b.json"
+    assert main(["bench", "--quick", "-w", "gpt", "--params", "300k", "--impl", "fused", "--flat",
+                 "--state-bits", "8", "4", "--peers", "fp32", "--no-schedulers", "--json", str(out_json)]) == 0
+    result = json.loads(out_json.read_text())["results"][0]
+    rows = {r["label"]: r for r in result["rows"]}
+    assert "compiling AdamW4bit" not in rows
+    shapes, n = bench.shapes_for("gpt", 300_000), result["params"]
+    expected = {"fastoptim fused": 8 * n, "torch fused": 8 * n, "shared-map AdamW8bit": 2 * n + 256 * 4,
+                "fastoptim fused 8-bit state": _quantized_state_bytes(shapes, 8),
+                "fastoptim fused 4-bit state": _quantized_state_bytes(shapes, 4)}
+    for label, state_bytes in expected.items():
+        row = rows[label]
+        assert row["state_bytes"] == state_bytes, (label, row["state_bytes"], state_bytes)
+        assert row["state_bytes_per_param"] == state_bytes / n and row["error"] is None
+    assert rows["shared-map AdamW8bit"]["state_bits"] == 8 and rows["fastoptim fused 4-bit state"]["state_bits"] == 4
