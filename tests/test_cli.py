@@ -83,6 +83,31 @@ def test_curves_writes_png_json_and_matches_torch(tmp_path):
     assert len(losses) == 12 and losses[-1] < losses[0]  # it really trains
 
 
+def test_curves_low_bit_state_and_bf16_params_beside_the_32_bit_run(tmp_path, capsys):
+    out_json = tmp_path / "c.json"
+    assert main(["curves", "-o", "adamw", "--impl", "fused", "--flat", "--steps", "20", "--state-bits", "8",
+                 "--rounding", "nearest", "stochastic", "--lr", "3e-4", "--out", str(tmp_path / "c.png"),
+                 "--json", str(out_json)]) == 0
+    data = json.loads(out_json.read_text())
+    assert [d["curve"] for d in data["differences"]] == ["fused"]  # the exactness table: 32-bit fp32 only
+    gaps = {d["curve"]: d for d in data["precision_gaps"]}
+    assert set(gaps) == {"fused 8-bit state", "fused bf16 params, nearest", "fused bf16 params, stochastic"}
+    base = next(c["losses"] for c in data["curves"] if c["curve"] == "fused")
+    for label, d in gaps.items():
+        losses = next(c["losses"] for c in data["curves"] if c["curve"] == label)
+        assert d["reference"] == "fused" and d["final_loss"] == sum(losses[-2:]) / 2  # the last tenth of 20
+        assert d["gap_percent"] == pytest.approx((d["final_loss"] - sum(base[-2:]) / 2) / (sum(base[-2:]) / 2) * 100)
+        assert losses != base  # another run, not the 32-bit one again
+    assert (gaps["fused 8-bit state"]["state_bits"], gaps["fused bf16 params, stochastic"]["params"]) == (8, "bf16")
+    out = capsys.readouterr().out
+    assert "fused bf16 params, stochastic" in out and f"{gaps['fused 8-bit state']['gap_percent']:+.2f}%" in out
+
+
+def test_curves_refuses_a_bad_lr(capsys):
+    assert main(["curves", "--lr", "0"]) == 2
+    assert "--lr must be > 0" in capsys.readouterr().err
+
+
 def test_corpus_ships_with_python():
     from fastoptim import data
     text = data.corpus_bytes()
