@@ -66,14 +66,11 @@ def installed(module: str) -> bool:
     return importlib.util.find_spec(module) is not None
 
 
-def peer_rows(optimizer: str, kwargs: dict, everything: bool = False,
-              state_bits: tuple[int, ...] = ()) -> list[tuple[str, str, Callable, int]]:
-    """(label, library, build, state bits) for the installed peers: full-precision ones that start fast, the
-    low-bit ones at a width in ``state_bits`` that start fast, or with ``everything`` all of them (low-bit and
-    compile-on-first-step ones too)."""
+def peer_rows(optimizer: str, kwargs: dict, everything: bool = False) -> list[tuple[str, str, Callable, int]]:
+    """(label, library, build, state bits) for the installed peers: full-precision ones that start fast, or with
+    ``everything`` also low-bit and compile-on-first-step ones."""
     rows = []
     for peer in PEERS.get(optimizer, []):
-        wanted = peer.state_bits == 32 or peer.state_bits in state_bits
-        if (everything or (wanted and not peer.compiles)) and installed(peer.module):
+        if (everything or (peer.state_bits == 32 and not peer.compiles)) and installed(peer.module):
             rows.append((peer.label, peer.module, lambda ps, f=peer.factory: f(ps, dict(kwargs)), peer.state_bits))
     return rows
