@@ -100,8 +100,7 @@ def rows_for(optimizer: str, impls: list[str], flat_impls: list[str] = (), peers
                             lambda ps: CompiledStep(torch_cls(ps, foreach=True, **kwargs))))
     if peers in ("fp32", "all") and not clip:
         from .peers import peer_rows
-        for label, library, build, bits in peer_rows(spec.name, kwargs, everything=peers == "all",
-                                                     state_bits=state_bits):
+        for label, library, build, bits in peer_rows(spec.name, kwargs, everything=peers == "all"):
             rows.append(Row(label, library, "peer", build, state_bits=bits))
     rows.append(floor_row(spec, kwargs))
     return rows
