@@ -27,7 +27,8 @@ def test_bench_quick_writes_json_and_markdown(tmp_path, capsys):
         assert "flat floor" in labels and any("clip_grad_norm_" in label for label in labels)
         for row in result["rows"]:
             assert set(row) == {"label", "library", "impl", "flat", "paths", "median_ms", "min_ms", "max_ms", "samples",
-                                "first_step_ms", "state_mib", "vs_torch_fused", "vs_flat_floor", "error"}
+                                "first_step_ms", "state_mib", "state_bits", "state_bytes", "state_bytes_per_param",
+                                "vs_torch_fused", "vs_flat_floor", "error"}
             assert row["error"] is None and row["median_ms"] > 0 and row["samples"] == 3
             assert row["vs_flat_floor"] is not None
     assert {s["label"] for s in data["schedulers"]} >= {"torch OneCycleLR", "fastoptim OneCycle"}
@@ -80,6 +81,31 @@ def test_curves_writes_png_json_and_matches_torch(tmp_path):
         assert d["max_abs_diff"] < 1e-4  # 32-bit state: the same curve as the reference
     losses = next(c["losses"] for c in data["curves"] if c["curve"] == "torch")
     assert len(losses) == 12 and losses[-1] < losses[0]  # it really trains
+
+
+def test_curves_low_bit_state_and_bf16_params_beside_the_32_bit_run(tmp_path, capsys):
+    out_json = tmp_path / "c.json"
+    assert main(["curves", "-o", "adamw", "--impl", "fused", "--flat", "--steps", "20", "--state-bits", "8",
+                 "--rounding", "nearest", "stochastic", "--lr", "3e-4", "--out", str(tmp_path / "c.png"),
+                 "--json", str(out_json)]) == 0
+    data = json.loads(out_json.read_text())
+    assert [d["curve"] for d in data["differences"]] == ["fused"]  # the exactness table: 32-bit fp32 only
+    gaps = {d["curve"]: d for d in data["precision_gaps"]}
+    assert set(gaps) == {"fused 8-bit state", "fused bf16 params, nearest", "fused bf16 params, stochastic"}
+    base = next(c["losses"] for c in data["curves"] if c["curve"] == "fused")
+    for label, d in gaps.items():
+        losses = next(c["losses"] for c in data["curves"] if c["curve"] == label)
+        assert d["reference"] == "fused" and d["final_loss"] == sum(losses[-2:]) / 2  # the last tenth of 20
+        assert d["gap_percent"] == pytest.approx((d["final_loss"] - sum(base[-2:]) / 2) / (sum(base[-2:]) / 2) * 100)
+        assert losses != base  # another run, not the 32-bit one again
+    assert (gaps["fused 8-bit state"]["state_bits"], gaps["fused bf16 params, stochastic"]["params"]) == (8, "bf16")
+    out = capsys.readouterr().out
+    assert "fused bf16 params, stochastic" in out and f"{gaps['fused 8-bit state']['gap_percent']:+.2f}%" in out
+
+
+def test_curves_refuses_a_bad_lr(capsys):
+    assert main(["curves", "--lr", "0"]) == 2
+    assert "--lr must be > 0" in capsys.readouterr().err
 
 
 def test_corpus_ships_with_python():
@@ -153,3 +179,66 @@ def test_bench_state_bits_rows_report_their_state_bytes(tmp_path):
         row = rows[f"fastoptim fused {bits}-bit state"]
         assert row["error"] is None and row["median_ms"] > 0
         assert row["state_mib"] < full * share + 0.1, (bits, row["state_mib"], full)  # 1-D params stay 32-bit
+
+
+class _SharedMapState:
+    """A peer that keeps state as bitsandbytes' 8-bit optimizers do: two uint8 codes per element of every param
+    and one quantization map, the same tensor in every param's state."""
+
+    def __init__(self, params):
+        import torch
+        shared_map = torch.zeros(256)
+        self.state = {p: {"step": 1, "state1": torch.zeros_like(p, dtype=torch.uint8),
+                          "state2": torch.zeros_like(p, dtype=torch.uint8), "qmap1": shared_map} for p in params}
+
+    def step(self):
+        pass
+
+
+def _quantized_state_bytes(shapes, bits: int) -> int:
+    """AdamW's two states at ``bits`` as the README states them: a >= 2-D param of 4096+ elements keeps per
+    row ceil(cols * bits / 8) bytes of codes and one fp32 absmax per block (256 elements at 8 bits, 128 at 4);
+    smaller params keep fp32."""
+    import math
+    total = 0
+    for shape in shapes:
+        numel = math.prod(shape)
+        if len(shape) >= 2 and numel >= 4096:
+            rows, cols = shape[0], numel // shape[0]
+            block = 256 if bits == 8 else 128
+            total += 2 * rows * (math.ceil(cols * bits / 8) + 4 * math.ceil(cols / block))
+        else:
+            total += 2 * 4 * numel
+    return total
+
+
+def test_bench_low_bit_peers_sit_beside_ours_with_exact_state_bytes_per_param(monkeypatch):
+    """What ``--peers all --state-bits 8 4`` runs, with stand-in peers (the real low-bit ones take minutes)."""
+    from fastoptim import bench
+    from fastoptim.bench import peers
+
+    fake8 = peers.Peer("shared-map AdamW8bit", "torch", lambda ps, kw: _SharedMapState(ps), 8)
+    fake4 = peers.Peer("compiling AdamW4bit", "torch", lambda ps, kw: _SharedMapState(ps), 4, compiles=True)
+    monkeypatch.setitem(peers.PEERS, "adamw", [fake8, fake4])
+    assert {r.label for r in bench.rows_for("adamw", ["fused"], peers="fp32", state_bits=(8, 4))}.isdisjoint(
+        {fake8.label, fake4.label})  # low-bit peers come with "all" only
+    rows = bench.rows_for("adamw", ["fused"], peers="all", state_bits=(8, 4))
+    rows = [r for r in rows if r.label != "torch compiled foreach"]  # compiles for a minute; counts as torch's
+    assert {r.label: r.state_bits for r in rows} == {
+        "fastoptim fused": 32, "fastoptim fused 8-bit state": 8, "fastoptim fused 4-bit state": 4, "torch loop": 32,
+        "torch foreach": 32, "torch fused": 32, "shared-map AdamW8bit": 8, "compiling AdamW4bit": 4,
+        "flat floor": 32}
+    shapes = bench.shapes_for("gpt", 300_000)
+    bench.run_workload(shapes, rows, rounds=1, steps_per_round=1, warmup=0)
+    n = bench.numel(shapes)
+    result = json.loads(json.dumps(bench.to_dict("gpt", "adamw", n, len(shapes), rows)))  # as --json writes it
+    by_label = {r["label"]: r for r in result["rows"]}
+    expected = {"fastoptim fused": 8 * n, "torch fused": 8 * n, "flat floor": 8 * n,
+                "shared-map AdamW8bit": 2 * n + 256 * 4, "compiling AdamW4bit": 2 * n + 256 * 4,
+                "fastoptim fused 8-bit state": _quantized_state_bytes(shapes, 8),
+                "fastoptim fused 4-bit state": _quantized_state_bytes(shapes, 4)}
+    for label, state_bytes in expected.items():
+        row = by_label[label]
+        assert row["error"] is None and row["state_bits"] == {r.label: r.state_bits for r in rows}[label]
+        assert row["state_bytes"] == state_bytes, (label, row["state_bytes"], state_bytes)
+        assert row["state_bytes_per_param"] == state_bytes / n

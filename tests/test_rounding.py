@@ -236,3 +236,21 @@ def test_complex32_params_with_stochastic_or_kahan_rounding_are_refused_by_name(
         with pytest.raises(ValueError, match="complex32 params: use rounding='nearest'"):
             opt.step()
         assert not opt.state
+
+
+@pytest.mark.parametrize("mode", ["stochastic", "kahan"])
+def test_clipping_in_the_step_rounds_the_same_numbers_at_every_level(mode):
+    """max_grad_norm's factor comes from the bf16 grads' norm; the fp32 temporaries step with it at every level
+    (torch's fused kernels take it only as fp32)."""
+    results = {}
+    for impl in LEVELS:
+        g = torch.Generator().manual_seed(0)
+        w = torch.nn.Parameter(torch.randn(64, 96, generator=g).to(torch.bfloat16))
+        b = torch.nn.Parameter(torch.randn(96, generator=g).to(torch.bfloat16))
+        opt = fastoptim.AdamW([w, b], lr=1e-3, impl=impl, rounding=mode, max_grad_norm=1.0, state_bits=8)
+        for _ in range(3):
+            w.grad, b.grad = torch.randn(w.shape, generator=g).bfloat16(), torch.randn(b.shape, generator=g).bfloat16()
+            opt.step()
+        results[impl] = (w.detach().clone(), b.detach().clone())
+    for impl, (w, b) in results.items():
+        assert torch.equal(w, results["loop"][0]) and torch.equal(b, results["loop"][1]), impl

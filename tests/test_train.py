@@ -55,6 +55,31 @@ def test_low_bit_state_trains_and_resumes_bit_identically(tmp_path, bits):
     assert ("exp_avg.codes" in names) == (bits in (8, 4)), names
 
 
+def test_bf16_params_with_stochastic_rounding_and_8_bit_state_resume_bit_identically(tmp_path):
+    """``--dtype bf16 --rounding stochastic``: bf16 params, no fp32 copy anywhere, each step rounded from the
+    random stream the optimizer state carries; a resumed run draws the same bits."""
+    run = dict(steps=6, state_bits=8, dtype="bf16", rounding="stochastic", n_layer=1, n_embd=64, sample_tokens=0,
+               save_every=3, eval_every=3, eval_batches=1)
+    straight = main(tiny(tmp_path / "a", **run))
+    assert straight["param_dtype"] == "bf16"
+    main(tiny(tmp_path / "b", stop_after=3, **run))
+    resumed = main(tiny(tmp_path / "b", resume=True, **run))
+    assert [e["loss"] for e in resumed["log"]] == [e["loss"] for e in straight["log"]]
+    a, b = (torch.load(tmp_path / d / "out" / "ckpt.pt", weights_only=False) for d in "ab")
+    assert {v.dtype for v in a["model"].values()} == {torch.bfloat16}
+    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+    names = {name for entry in a["optimizer"]["state"].values() for name in entry}
+    assert {"exp_avg.codes", "rounding_rng"} <= names and "kahan_comp" not in names, names
+
+
+def test_param_dtype_follows_dtype_only_when_a_rounding_asks_for_16_bit_params():
+    from fastoptim.train.loop import param_dtype
+    assert param_dtype(TrainConfig(dtype="bf16")) == "fp32"  # nanoGPT's meaning: autocast over fp32 params
+    assert param_dtype(TrainConfig(dtype="bf16", rounding="stochastic")) == "bf16"
+    assert param_dtype(TrainConfig(dtype="fp16", rounding="kahan")) == "fp16"
+    assert param_dtype(TrainConfig(param_dtype="bf16")) == "bf16"  # bf16 params rounded to nearest, as torch
+
+
 def test_checkpoint_is_replaced_atomically(tmp_path):
     main(tiny(tmp_path, steps=10, sample_tokens=0))
     leftovers = [f for f in os.listdir(tmp_path / "out") if ".tmp." in f]
@@ -90,6 +115,9 @@ def test_flat_buffers_with_8_bit_state_train(tmp_path):
     (["--resume", "--out-dir", "/no/such/dir"], "no checkpoint"),
     (["--fp8"], "compute capability"),
     (["--steps", "0"], "steps must be >= 1"),
+    (["--rounding", "stochastic"], "the params are fp32: add --dtype bf16"),
+    (["--rounding", "stochastic", "--param-dtype", "fp16"], "for fp16 params use --rounding kahan"),
+    (["--rounding", "kahan", "--dtype", "bf16", "--flat"], "--flat rounds params to nearest"),
 ])
 def test_bad_settings_get_a_clear_message(argv, message, capsys):
     assert cli(["train", *argv]) == 2

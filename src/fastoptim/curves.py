@@ -9,6 +9,11 @@ Lion has no torch.optim class. Its references are two plain loops of the publish
 exactly this", and one in float64, which says how far fp32 Lion itself is from exact arithmetic. The two differ
 by far more than rounding: where ``b1 m + (1 - b1) g`` is within a rounding of 0, a last-bit difference in the
 state or the param flips its sign and moves that weight by ``2 lr``. ``reference_gaps`` reports that distance.
+
+How the state and the params are kept is the other question these curves answer: each level again with its
+state at 16/8/4 bits (``state_bits=``), and with bf16 params and no fp32 master copy (``rounding=``), beside
+the same level's 32-bit fp32 run. ``precision_gaps`` reports how far each one ends from it, as a percentage
+of the final loss (the mean over the last tenth of the steps, so one batch does not decide it).
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import data, levels, registry
+from . import data, levels, registry, storage
 from .reference import reference_class, reference_kwargs
 
 LEARNING_RATES = {"sgd": 0.1, "adam": 3e-3, "adamw": 3e-3, "rmsprop": 1e-3, "adagrad": 0.05, "lion": 3e-4}
@@ -42,6 +47,15 @@ class Curve:
     label: str            # a reference ("torch", EXACT_REFERENCE, FP64_REFERENCE) or a level ("fused flat", ...)
     losses: list[float] = field(default_factory=list)
     reference: bool = False
+    level: str | None = None   # the level row it belongs to ("fused", "fused flat"); None for a reference
+    state_bits: int = 32       # how the optimizer kept its state (state_bits=)
+    params: str = "fp32"       # the params' dtype: "fp32", or "bf16" (no fp32 master copy)
+    rounding: str = "nearest"  # how bf16 params were rounded back (rounding=)
+
+    @property
+    def full_precision(self) -> bool:
+        """32-bit state and fp32 params: the run the low-precision ones are measured against."""
+        return self.state_bits == 32 and self.params == "fp32"
 
 
 EXACT_REFERENCE = "reference fp32"  # Lion's oracle in the param dtype (the model is fp32)
@@ -55,21 +69,27 @@ def references(spec: registry.OptimizerSpec) -> list[tuple[str, dict]]:
     return [(EXACT_REFERENCE, {"compute_dtype": None}), (FP64_REFERENCE, {"compute_dtype": torch.float64})]
 
 
-def _optimizer_kwargs(name: str) -> dict:
-    kwargs = {"lr": LEARNING_RATES[name]}
+PARAM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def _optimizer_kwargs(name: str, lr: float | None = None) -> dict:
+    kwargs = {"lr": LEARNING_RATES[name] if lr is None else lr}
     if name == "sgd":
         kwargs["momentum"] = 0.9
     return kwargs
 
 
-def train(name: str, make_optimizer, steps: int, seed: int, batch_size: int = 64, context: int = 8) -> list[float]:
+def train(name: str, make_optimizer, steps: int, seed: int, batch_size: int = 64, context: int = 8,
+          param_dtype: torch.dtype = torch.float32) -> list[float]:
+    """The losses of ``steps`` steps. With ``param_dtype`` bf16 the model is initialised as in fp32 and then cast
+    (the same starting point, rounded), and runs in bf16; the loss is taken in fp32 either way."""
     torch.manual_seed(seed)
-    model = ByteMLP(context)
+    model = ByteMLP(context).to(param_dtype)
     opt = make_optimizer(model)
     tokens = data.corpus_tensor()
     losses = []
     for _, (x, y) in zip(range(steps), data.batches(tokens, batch_size, context, seed)):
-        loss = torch.nn.functional.cross_entropy(model(x), y[:, -1])
+        loss = torch.nn.functional.cross_entropy(model(x).float(), y[:, -1])
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -77,23 +97,53 @@ def train(name: str, make_optimizer, steps: int, seed: int, batch_size: int = 64
     return losses
 
 
+def precision_runs(impls: list[str], flat_impls: list[str], state_bits=(), roundings=()) -> list[dict]:
+    """Every fastoptim run of ``run``, in order: each level (and each flat level) at 32-bit state and fp32 params,
+    then each non-flat level again at each of ``state_bits`` (fp32 params), and with bf16 params rounded by
+    each of ``roundings`` (state kept as torch keeps it: in the params' dtype). Flat mode keeps 32-bit state
+    and rounds to nearest, so it has no such runs."""
+    runs = [dict(level=f"{i} flat" if flat else i, impl=i, flat=flat, state_bits=32, params="fp32",
+                 rounding="nearest") for i, flat in [(i, False) for i in impls] + [(i, True) for i in flat_impls]]
+    for impl in impls:
+        runs += [dict(level=impl, impl=impl, flat=False, state_bits=bits, params="fp32", rounding="nearest")
+                 for bits in state_bits if bits != 32]
+        runs += [dict(level=impl, impl=impl, flat=False, state_bits=32, params="bf16", rounding=r)
+                 for r in roundings]
+    return runs
+
+
+def _run_label(run: dict) -> str:
+    if run["params"] != "fp32":
+        return f"{run['level']} {run['params']} params, {run['rounding']}"
+    return run["level"] if run["state_bits"] == 32 else f"{run['level']} {run['state_bits']}-bit state"
+
+
 def run(optimizers: list[str], impls: list[str], flat_impls: list[str], steps: int = 200,
-        seed: int = 0, progress=lambda: None) -> list[Curve]:
+        seed: int = 0, progress=lambda: None, state_bits=(), roundings=(), lr: float | None = None) -> list[Curve]:
+    """The references' curves and every run of ``precision_runs`` for each optimizer; ``lr`` replaces each
+    optimizer's default learning rate (``LEARNING_RATES``)."""
+    for bits in state_bits:
+        storage.check_state_bits(bits)
+    for rounding in roundings:
+        storage.check_rounding(rounding)
+    if lr is not None and not lr > 0:
+        raise ValueError(f"Invalid learning rate: {lr!r} (must be > 0)")
     curves = []
     for name in optimizers:
         spec = registry.get(name)
-        kwargs = _optimizer_kwargs(name)
+        kwargs = _optimizer_kwargs(name, lr)
         ref_cls = reference_class(spec)
         for label, extra in references(spec):
             curves.append(Curve(name, label, train(
                 name, lambda m, extra=extra: ref_cls(m.parameters(), **kwargs, **extra), steps, seed), reference=True))
             progress()
-        for impl, flat in [(i, False) for i in impls] + [(i, True) for i in flat_impls]:
-            label = f"{impl} flat" if flat else impl
+        for r in precision_runs(impls, flat_impls, state_bits, roundings):
+            settings = dict(impl=r["impl"], flat=r["flat"], state_bits=r["state_bits"], rounding=r["rounding"])
             with levels.own_paths():  # each row is the level it names, not the path it would route to
-                curves.append(Curve(name, label, train(
-                    name, lambda m, impl=impl, flat=flat: spec.cls(m.parameters(), impl=impl, flat=flat, **kwargs),
-                    steps, seed)))
+                losses = train(name, lambda m, settings=settings: spec.cls(m.parameters(), **settings, **kwargs),
+                               steps, seed, param_dtype=PARAM_DTYPES[r["params"]])
+            curves.append(Curve(name, _run_label(r), losses, level=r["level"], state_bits=r["state_bits"],
+                                params=r["params"], rounding=r["rounding"]))
             progress()
     return curves
 
@@ -111,13 +161,13 @@ def _references_by_optimizer(curves: list[Curve]) -> dict[str, list[Curve]]:
 
 
 def max_differences(curves: list[Curve]) -> list[dict]:
-    """Per fastoptim curve: the largest |loss - reference loss| at any step against the exactness reference
-    (torch.optim, or Lion's loop in the param dtype), and the final losses; for Lion also the same against the
-    float64 reference (``max_abs_diff_fp64``)."""
+    """Per fastoptim curve at 32-bit state and fp32 params: the largest |loss - reference loss| at any step
+    against the exactness reference (torch.optim, or Lion's loop in the param dtype), and the final losses; for
+    Lion also the same against the float64 reference (``max_abs_diff_fp64``)."""
     out = []
     refs = _references_by_optimizer(curves)
     for c in curves:
-        if c.reference:
+        if c.reference or not c.full_precision:
             continue
         exact = refs[c.optimizer][0]
         row = {"optimizer": c.optimizer, "curve": c.label, "reference": exact.label,
@@ -147,24 +197,58 @@ def reference_gaps(curves: list[Curve]) -> list[dict]:
     return out
 
 
+def final_loss(losses: list[float]) -> float:
+    """The mean loss over the last tenth of the steps (at least one): the end of a curve, less one batch's luck."""
+    tail = losses[-max(1, len(losses) // 10):]
+    return sum(tail) / len(tail)
+
+
+def precision_gaps(curves: list[Curve]) -> list[dict]:
+    """Per curve with low-bit state or bf16 params: its final loss (``final_loss``) against the same level's
+    32-bit fp32 run, and the gap as a percentage of that run's (positive: ends higher)."""
+    baselines = {(c.optimizer, c.level): c for c in curves if not c.reference and c.full_precision}
+    out = []
+    for c in curves:
+        if c.reference or c.full_precision:
+            continue
+        base = baselines[(c.optimizer, c.level)]
+        mine, theirs = final_loss(c.losses), final_loss(base.losses)
+        out.append({"optimizer": c.optimizer, "curve": c.label, "reference": base.label, "state_bits": c.state_bits,
+                    "params": c.params, "rounding": c.rounding, "final_loss": mine, "reference_final_loss": theirs,
+                    "gap_percent": (mine - theirs) / theirs * 100, "max_abs_diff": _max_diff(c, base)})
+    return out
+
+
 def plot(curves: list[Curve], path: str) -> None:
+    """One panel per optimizer: the levels over their references; where there are low-bit or bf16-param runs,
+    a second panel below draws them over the 32-bit fp32 runs."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     names = list(dict.fromkeys(c.optimizer for c in curves))
-    fig, axes = plt.subplots(1, len(names), figsize=(5 * len(names), 4), squeeze=False)
+    precision = any(not c.reference and not c.full_precision for c in curves)
+    fig, axes = plt.subplots(2 if precision else 1, len(names), figsize=(5 * len(names), 8 if precision else 4),
+                             squeeze=False)
     for ax, name in zip(axes[0], names):
-        for c in (c for c in curves if c.optimizer == name):
+        for c in (c for c in curves if c.optimizer == name and (c.reference or c.full_precision)):
             fp64 = c.label == FP64_REFERENCE
             ax.plot(c.losses, label=c.label, linewidth=2.5 if c.reference else 1,
                     linestyle=":" if fp64 else "--" if c.reference else "-",
                     color="grey" if fp64 else "black" if c.reference else None,
                     zorder=1 if c.reference else 2, alpha=0.9)
         ax.set_title(f"{name}: next-byte loss (pydoc text)", fontsize=10)
+    if precision:
+        for ax, name in zip(axes[1], names):
+            levels_with_runs = {c.level for c in curves if c.optimizer == name and not c.full_precision}
+            for c in (c for c in curves if c.optimizer == name and c.level in levels_with_runs):
+                ax.plot(c.losses, label=c.label, linewidth=2 if c.full_precision else 1,
+                        linestyle="--" if c.full_precision else "-", alpha=0.9)
+            ax.set_title(f"{name}: low-bit state and bf16 params vs 32-bit fp32", fontsize=10)
+    for ax in axes.flat:
         ax.set_xlabel("step")
         ax.set_ylabel("cross-entropy")
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -265,7 +265,10 @@ class FastOptimizer(torch.optim.Optimizer):
             rounded = storage.rounds_in_fp32(bucket.params[0].dtype, rounding)
             if bucket.staged is None:  # plain formats are checked to be the param's dtype: never staged
                 bucket.staged = rounded or bits != 32 and storage.needs_staging(bucket.params, bucket.states)
-            args = (group, bucket.step, rule.scalars(group, bucket.step, *bucket.host_before), flags, amp.grad_mul)
+            grad_mul = amp.grad_mul
+            if bucket.staged and grad_mul is not None:  # fp32 temporaries step with an fp32 factor (the same value)
+                grad_mul = grad_mul.float()
+            args = (group, bucket.step, rule.scalars(group, bucket.step, *bucket.host_before), flags, grad_mul)
             if not bucket.staged:
                 run(rule, level_bucket, *args, **extra)
                 continue

@@ -66,11 +66,11 @@ def installed(module: str) -> bool:
     return importlib.util.find_spec(module) is not None
 
 
-def peer_rows(optimizer: str, kwargs: dict, everything: bool = False) -> list[tuple[str, str, Callable]]:
-    """(label, library, build) for the installed peers: full-precision ones that start fast, or with
+def peer_rows(optimizer: str, kwargs: dict, everything: bool = False) -> list[tuple[str, str, Callable, int]]:
+    """(label, library, build, state bits) for the installed peers: full-precision ones that start fast, or with
     ``everything`` also low-bit and compile-on-first-step ones."""
     rows = []
     for peer in PEERS.get(optimizer, []):
         if (everything or (peer.state_bits == 32 and not peer.compiles)) and installed(peer.module):
-            rows.append((peer.label, peer.module, lambda ps, f=peer.factory: f(ps, dict(kwargs))))
+            rows.append((peer.label, peer.module, lambda ps, f=peer.factory: f(ps, dict(kwargs)), peer.state_bits))
     return rows

@@ -42,6 +42,8 @@ def to_dict(workload: str, optimizer: str, n_params: int, n_tensors: int, rows: 
             "label": _label(r), "library": r.library, "impl": r.impl, "flat": r.flat, "paths": r.paths,
             "median_ms": r.median_ms, "min_ms": r.spread_ms[0], "max_ms": r.spread_ms[1],
             "samples": len(r.times_ms), "first_step_ms": r.first_step_ms, "state_mib": r.state_bytes / 2 ** 20,
+            "state_bits": r.state_bits, "state_bytes": r.state_bytes,
+            "state_bytes_per_param": None if r.error else r.state_bytes / n_params,
             "vs_torch_fused": r.median_ms / fused if fused == fused else None,
             "vs_flat_floor": r.median_ms / floor if floor == floor else None,
             "error": r.error,
@@ -78,13 +80,13 @@ def _fmt(x: float | None, spec: str) -> str:
 
 
 def table_rows(result: dict) -> list[list[str]]:
-    return [[r["label"], f"error: {r['error']}", "", "", "", "", ""] if r["error"] else
+    return [[r["label"], f"error: {r['error']}"] + [""] * (len(HEADERS) - 2) if r["error"] else
             [r["label"], _fmt(r["median_ms"], ".2f"), f"{_fmt(r['min_ms'], '.2f')}-{_fmt(r['max_ms'], '.2f')}",
              _fmt(r["vs_torch_fused"], ".2f"), _fmt(r["vs_flat_floor"], ".2f"), _fmt(r["state_mib"], ".1f"),
-             _fmt(r["first_step_ms"], ".1f")] for r in result["rows"]]
+             _fmt(r["state_bytes_per_param"], ".3f"), _fmt(r["first_step_ms"], ".1f")] for r in result["rows"]]
 
 
-HEADERS = ["row", "ms/step", "spread", "x torch fused", "x flat floor", "state MiB", "first step ms"]
+HEADERS = ["row", "ms/step", "spread", "x torch fused", "x flat floor", "state MiB", "state B/param", "first step ms"]
 
 
 def title(result: dict) -> str:

@@ -29,6 +29,7 @@ class Row:
     times_ms: list[float] = field(default_factory=list)
     first_step_ms: float = float("nan")
     state_bytes: int = 0
+    state_bits: int = 32        # the width the row keeps its state at (low-bit rows keep small params at 32)
     paths: list[str] = field(default_factory=list)  # the paths fastoptim's levels took (record_paths)
 
     @property
@@ -75,7 +76,7 @@ def rows_for(optimizer: str, impls: list[str], flat_impls: list[str] = (), peers
     rows += [Row(f"fastoptim {impl} flat{tag}", "fastoptim", f"{impl}+flat",
                  lambda ps, impl=impl: spec.cls(ps, impl=impl, flat=True, **ours)) for impl in flat_impls]
     rows += [Row(f"fastoptim {impl} {bits}-bit state{tag}", "fastoptim", f"{impl}+{bits}bit",
-                 lambda ps, impl=impl, bits=bits: spec.cls(ps, impl=impl, state_bits=bits, **ours))
+                 lambda ps, impl=impl, bits=bits: spec.cls(ps, impl=impl, state_bits=bits, **ours), state_bits=bits)
              for bits in state_bits if bits != 32 for impl in impls]
     rows += [Row(f"fastoptim {impl} flat {bits}-bit state{tag}", "fastoptim", f"{impl}+flat+{bits}bit",
                  lambda ps, impl=impl, bits=bits: spec.cls(ps, impl=impl, flat=True, state_bits=bits, **ours))
@@ -102,8 +103,8 @@ def rows_for(optimizer: str, impls: list[str], flat_impls: list[str] = (), peers
                             lambda ps: CompiledStep(torch_cls(ps, foreach=True, **kwargs))))
     if peers in ("fp32", "all") and not clip:
         from .peers import peer_rows
-        for label, library, build in peer_rows(spec.name, kwargs, everything=peers == "all"):
-            rows.append(Row(label, library, "peer", build))
+        for label, library, build, bits in peer_rows(spec.name, kwargs, everything=peers == "all"):
+            rows.append(Row(label, library, "peer", build, state_bits=bits))
     rows.append(floor_row(spec, kwargs))
     return rows
 
@@ -138,14 +139,6 @@ def floor_row(spec, kwargs: dict) -> Row:
     return Row("flat floor", "torch", f"fused {what}", lambda ps: cls(ps, fused=True, **floor_kwargs), flat=True)
 
 
-def _tensor_bytes(t: torch.Tensor) -> int:
-    """Bytes a tensor holds; quantized state kept as a tensor subclass counts its inner tensors."""
-    if type(t) is not torch.Tensor and hasattr(t, "__tensor_flatten__"):
-        names, _ = t.__tensor_flatten__()
-        return sum(_tensor_bytes(getattr(t, n)) for n in names)
-    return t.numel() * t.element_size() if t.dim() > 0 else 0
-
-
 def _state_values(state):
     for v in state.values():
         if isinstance(v, dict):  # some libraries nest per-param state one level deeper
@@ -154,13 +147,35 @@ def _state_values(state):
             yield v
 
 
-def state_bytes(opt) -> int:
-    """Bytes of state tensors (quantized ones: codes and scales), not counting step counters."""
+def _tensors(value):
+    """The plain tensors a state value holds (a quantized state: its codes and scales; a tensor subclass: its
+    inner tensors)."""
     from ..storage import QuantizedState
 
-    return sum(v.nbytes if isinstance(v, QuantizedState) else _tensor_bytes(v)
-               for s in opt.state.values() for v in _state_values(s)
-               if isinstance(v, (torch.Tensor, QuantizedState)))
+    if isinstance(value, QuantizedState):
+        local = value.local()
+        yield from (local.codes, local.absmax)
+    elif isinstance(value, torch.Tensor):
+        if type(value) is not torch.Tensor and hasattr(value, "__tensor_flatten__"):
+            names, _ = value.__tensor_flatten__()
+            for name in names:
+                yield from _tensors(getattr(value, name))
+        else:
+            yield value
+
+
+def state_bytes(opt) -> int:
+    """Bytes of state tensors (quantized ones: codes and scales), not counting step counters (0-d tensors).
+    A tensor that several params' states share (bitsandbytes keeps one quantization map for all) counts once."""
+    seen, total = set(), 0
+    for s in opt.state.values():
+        for v in _state_values(s):
+            for t in _tensors(v):
+                key = (t.device, t.data_ptr(), t.numel() * t.element_size())
+                if t.dim() > 0 and key not in seen:
+                    seen.add(key)
+                    total += key[2]
+    return total
 
 
 def run_workload(shapes, rows: list[Row], rounds: int, steps_per_round: int, warmup: int,

@@ -1,4 +1,5 @@
-"""``fastoptim curves``: loss curves of the same model, seed and batches under torch.optim and fastoptim."""
+"""``fastoptim curves``: loss curves of the same model, seed and batches under torch.optim and fastoptim; with
+``--state-bits`` / ``--rounding`` also each level with low-bit state or bf16 params, against its 32-bit fp32 run."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import sys
 
 from .. import curves, registry
 from ..levels import LEVELS
+from ..storage import ROUNDINGS
 
 
 def add_parser(sub) -> None:
@@ -20,6 +22,15 @@ def add_parser(sub) -> None:
                    help="levels to run again with flat=True (default: fused)")
     p.add_argument("--steps", type=int, default=200, help="training steps (default: 200)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--state-bits", type=int, nargs="+", default=[], choices=(16, 8, 4), metavar="BITS",
+                   help="run each level again with its state kept at these widths: 16, 8, 4 (state_bits=); "
+                        "the final-loss gap to its 32-bit run is printed as a percentage")
+    p.add_argument("--rounding", nargs="+", default=[], choices=ROUNDINGS,
+                   help="run each level again with bf16 params (no fp32 master copy) rounded back this way: "
+                        "nearest (as torch.optim does), stochastic, kahan; compared with its fp32-param run")
+    p.add_argument("--lr", type=float, default=None,
+                   help="learning rate of every optimizer (default: each optimizer's own, "
+                        + ", ".join(f"{k} {v:g}" for k, v in curves.LEARNING_RATES.items()) + ")")
     p.add_argument("--out", default="curves.png", help="PNG path (default: curves.png)")
     p.add_argument("--json", metavar="PATH", help="write the curves and the differences as JSON")
     p.set_defaults(func=run)
@@ -29,21 +40,30 @@ def run(args: argparse.Namespace) -> int:
     if args.steps < 1:
         print("fastoptim curves: --steps must be >= 1", file=sys.stderr)
         return 2
+    if args.lr is not None and not args.lr > 0:
+        print(f"fastoptim curves: --lr must be > 0, got {args.lr}", file=sys.stderr)
+        return 2
     try:
         import matplotlib  # noqa: F401
     except ImportError:
         print("fastoptim curves: the PNG needs matplotlib (pip install 'fastoptim[bench]')", file=sys.stderr)
         return 2
-    result = curves.run(args.optimizer, args.impl, args.flat, args.steps, args.seed)
+    result = curves.run(args.optimizer, args.impl, args.flat, args.steps, args.seed, state_bits=args.state_bits,
+                        roundings=args.rounding, lr=args.lr)
     diffs = curves.max_differences(result)
     gaps = curves.reference_gaps(result)
+    precision = curves.precision_gaps(result)
     curves.plot(result, args.out)
     _print(diffs)
     _print_gaps(gaps, diffs)
+    if precision:
+        _print_precision(precision)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"steps": args.steps, "seed": args.seed, "differences": diffs, "reference_gaps": gaps,
-                       "curves": [{"optimizer": c.optimizer, "curve": c.label, "losses": c.losses}
+            json.dump({"steps": args.steps, "seed": args.seed, "lr": args.lr, "differences": diffs,
+                       "reference_gaps": gaps, "precision_gaps": precision,
+                       "curves": [{"optimizer": c.optimizer, "curve": c.label, "losses": c.losses,
+                                   "state_bits": c.state_bits, "params": c.params, "rounding": c.rounding}
                                   for c in result]}, f, indent=2)
     print(f"wrote {args.out}")
     return 0
@@ -55,17 +75,30 @@ def _print(diffs: list[dict]) -> None:
     rows = [[d["optimizer"], d["curve"], d["reference"], f"{d['max_abs_diff']:.3g}",
              f"{d['max_abs_diff_fp64']:.3g}" if "max_abs_diff_fp64" in d else "-", f"{d['final_loss']:.4f}",
              f"{d['reference_final_loss']:.4f}"] for d in diffs]
+    _table("fastoptim vs reference, same seed and batches", headers, rows, text_columns=3)
+
+
+def _print_precision(precision: list[dict]) -> None:
+    headers = ["optimizer", "curve", "vs", "final loss", "vs final", "gap", "max |loss diff| at any step"]
+    rows = [[d["optimizer"], d["curve"], d["reference"], f"{d['final_loss']:.4f}", f"{d['reference_final_loss']:.4f}",
+             f"{d['gap_percent']:+.2f}%", f"{d['max_abs_diff']:.3g}"] for d in precision]
+    _table("low-bit state and bf16 params vs the same level at 32-bit state and fp32 params "
+           "(final loss: mean of the last tenth of the steps)", headers, rows, text_columns=3)
+
+
+def _table(title: str, headers: list[str], rows: list[list[str]], text_columns: int) -> None:
     try:
         from rich.console import Console
         from rich.table import Table
     except ImportError:
+        print(title)
         print("  ".join(headers))
         for row in rows:
             print("  ".join(row))
         return
-    table = Table(title="fastoptim vs reference, same seed and batches")
+    table = Table(title=title)
     for i, h in enumerate(headers):
-        table.add_column(h, justify="left" if i < 3 else "right")
+        table.add_column(h, justify="left" if i < text_columns else "right")
     for row in rows:
         table.add_row(*row)
     Console(width=120).print(table)

@@ -12,9 +12,11 @@ import typing
 
 from ..levels import IMPLS
 from ..registry import OPTIMIZERS
+from ..storage import ROUNDINGS
 from ..train.loop import DTYPES, SCHEDULES, TrainConfig, check_config
 
-CHOICES = {"optimizer": tuple(OPTIMIZERS), "dtype": tuple(DTYPES), "schedule": SCHEDULES, "impl": IMPLS,
+CHOICES = {"optimizer": tuple(OPTIMIZERS), "dtype": tuple(DTYPES), "param_dtype": tuple(DTYPES),
+           "rounding": ROUNDINGS, "schedule": SCHEDULES, "impl": IMPLS,
            "compile_mode": ("default", "reduce-overhead", "max-autotune"), "device": ("auto", "cpu", "cuda"),
            "state_bits": (32, 16, 8, 4)}
 
@@ -73,7 +75,8 @@ def run(args: argparse.Namespace) -> int:
     if summary["rank"] != 0:
         return 0
     mfu = f"{summary['mfu']:.1%}" if summary["mfu"] is not None else "n/a on this device (no peak FLOP/s entry)"
-    print(f"params {summary['params']:,}  steps {summary['steps']}  train loss {summary['final_loss']:.4f}  "
+    print(f"params {summary['params']:,} ({summary['param_dtype']})  steps {summary['steps']}  "
+          f"train loss {summary['final_loss']:.4f}  "
           f"val loss {summary['val_loss']:.4f}")
     print(f"{summary['tokens_per_s']:.0f} tokens/s, {summary['achieved_gflops']:.1f} GFLOP/s achieved, MFU {mfu}, "
           f"optimizer step {summary['optimizer_share']:.1%} of the iteration")

@@ -16,6 +16,7 @@ import torch
 
 from .. import data as corpus
 from .. import factory, schedules, timing
+from ..storage import ROUNDINGS
 from . import checkpoint
 from .model import GPT, GPTConfig
 
@@ -48,6 +49,8 @@ class TrainConfig:
     steps: int = 2000                  # optimizer steps
     # precision and compilation
     dtype: str = "fp32"                # fp32, bf16 (autocast) or fp16 (autocast + GradScaler)
+    param_dtype: str | None = None     # params: fp32, bf16, fp16 (no fp32 copy); None: fp32, or --dtype's with a --rounding
+    rounding: str = "nearest"          # 16-bit params rounded after a step: nearest, stochastic (bf16), kahan
     compile: bool = False              # torch.compile the model
     compile_mode: str = "default"      # default, reduce-overhead, max-autotune
     fp8: bool = False                  # torchao float8 training (GPUs with compute capability >= 8.9)
@@ -90,12 +93,32 @@ def lr_schedule(cfg: TrainConfig) -> schedules.Schedule:
     return schedules.constant()
 
 
+def param_dtype(cfg: TrainConfig) -> str:
+    """What the params are kept in. ``--dtype`` alone is autocast over fp32 params (nanoGPT's meaning, kept);
+    asking for stochastic or Kahan rounding is asking for 16-bit params without an fp32 copy, so with
+    ``--rounding stochastic|kahan`` the params take ``--dtype``'s dtype unless ``--param-dtype`` says otherwise."""
+    if cfg.param_dtype is not None:
+        return cfg.param_dtype
+    return cfg.dtype if cfg.rounding != "nearest" else "fp32"
+
+
 def check_config(cfg: TrainConfig) -> None:
     """Every bad setting named before anything is built."""
     if cfg.schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {SCHEDULES}, got {cfg.schedule!r}")
     if cfg.dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {tuple(DTYPES)}, got {cfg.dtype!r}")
+    if cfg.param_dtype is not None and cfg.param_dtype not in DTYPES:
+        raise ValueError(f"param_dtype must be one of {tuple(DTYPES)}, got {cfg.param_dtype!r}")
+    if cfg.rounding not in ROUNDINGS:
+        raise ValueError(f"rounding must be one of {ROUNDINGS}, got {cfg.rounding!r}")
+    if cfg.rounding != "nearest" and param_dtype(cfg) == "fp32":
+        raise ValueError(f"--rounding {cfg.rounding} rounds 16-bit params after each step, and the params are fp32: "
+                         "add --dtype bf16 (or --param-dtype bf16) to keep them in bf16 without an fp32 copy")
+    if cfg.rounding == "stochastic" and param_dtype(cfg) == "fp16":
+        raise ValueError("--rounding stochastic rounds to bf16; for fp16 params use --rounding kahan")
+    if cfg.flat and cfg.rounding != "nearest":
+        raise ValueError(f"--flat rounds params to nearest; --rounding {cfg.rounding} needs it off")
     if cfg.ddp and cfg.fsdp:
         raise ValueError("choose one of --ddp and --fsdp")
     if cfg.fsdp and cfg.flat:
@@ -176,6 +199,8 @@ def main(cfg: TrainConfig) -> dict:
     mcfg = GPTConfig(vocab_size=vocab, block_size=cfg.block_size, n_layer=cfg.n_layer, n_head=cfg.n_head,
                      n_kv_head=cfg.n_kv_head, n_embd=cfg.n_embd, grad_checkpointing=cfg.grad_checkpointing)
     model = GPT(mcfg).to(device)
+    for p in model.parameters():  # params only: buffers (RoPE tables) stay fp32 and are cast where used
+        p.data = p.data.to(DTYPES[param_dtype(cfg)])
     if cfg.fp8:
         from torchao.float8 import convert_to_float8_training
         convert_to_float8_training(model)
@@ -185,7 +210,8 @@ def main(cfg: TrainConfig) -> dict:
             fully_shard(block)
         fully_shard(model)
     opt = factory.create(model, cfg.optimizer, lr=cfg.lr, weight_decay=cfg.weight_decay, impl=cfg.impl,
-                         flat=cfg.flat, max_grad_norm=cfg.max_grad_norm, state_bits=cfg.state_bits)
+                         flat=cfg.flat, max_grad_norm=cfg.max_grad_norm, state_bits=cfg.state_bits,
+                         rounding=cfg.rounding)
     scheduler = schedules.Scheduler(opt, lr_schedule(cfg))
     scaler = torch.amp.GradScaler(device.type, enabled=cfg.dtype == "fp16")
     train_model = model
@@ -284,7 +310,8 @@ def main(cfg: TrainConfig) -> dict:
     mean_step = stats["step_time"] / max(stats["steps"], 1)
     tokens_per_s = tokens_per_step / mean_step if mean_step else 0.0
     summary = {
-        "rank": rank, "params": n_params, "steps": end_step, "final_loss": log[-1]["loss"] if log else math.nan,
+        "rank": rank, "params": n_params, "param_dtype": param_dtype(cfg), "steps": end_step,
+        "final_loss": log[-1]["loss"] if log else math.nan,
         "val_loss": next((e["val_loss"] for e in reversed(log) if "val_loss" in e), math.nan),
         "tokens_per_s": tokens_per_s, "achieved_gflops": flops_per_token * tokens_per_s / 1e9,
         "mfu": flops_per_token * tokens_per_s / peak if peak else None,
