@@ -489,3 +489,26 @@ def test_state_bits_edited_from_16_converts_the_bf16_states_of_every_param(new_b
             state = opt.state[p][name]
             kept = storage.format_for(p, name, new_bits, 1000, opt.rule.unsigned_states)
             assert isinstance(state, storage.QuantizedState) if kept.quantized else state.dtype == torch.float32
+
+
+def test_the_compiled_level_on_the_cpu_runs_low_bit_state_through_the_fused_kernel_and_says_so(monkeypatch):
+    """Routing on (the library's default; the tests run with it off): the CPU kernel, with a warning; own
+    paths: the compiled level itself, staged. The same numbers either way, within fp32 tolerance."""
+    import warnings
+    from fastoptim import levels
+
+    monkeypatch.setattr(levels, "ROUTING", True)
+    results = {}
+    for routed in (True, False):
+        ps, g = _params(11)
+        opt = fastoptim.AdamW(ps, impl="compiled", state_bits=8, min_quant_size=0)
+        levels._said.discard("compiled")
+        with levels.own_paths(not routed), warnings.catch_warnings(record=True) as caught, record_paths() as paths:
+            warnings.simplefilter("always")
+            for _ in range(2):
+                _grads(g, ps)
+                opt.step()
+        assert ("cpu_kernel" in paths) == routed and ("compiled" in paths) == (not routed), paths
+        assert any("16/8/4 bits" in str(w.message) for w in caught) == routed
+        results[routed] = ps
+    assert_params_close(results[True], results[False])

@@ -175,7 +175,8 @@ def stored_level(impl: str, device: torch.device, rounding: str = "nearest") -> 
     it leaves), or None. Every other path, torch's own fused kernels among them, gets plain temporaries
     (``storage.run_staged``), so a storage option no path declares can never be silently ignored.
 
-    Declared: the fused level (and "auto"; and foreach where it runs the fused level's path) with fp32
+    Declared: the fused level (and "auto"; and foreach, and compiled on the CPU, where they run the fused
+    level's path) with fp32
     params whose active states are all bf16, or all 8-bit, or all 4-bit (``QuantizedState``, not sharded):
     on CUDA and under ``TRITON_INTERPRET=1`` the Triton kernel (``triton_stored``), on the CPU otherwise the
     C++ kernel (``cpu_kernels``). ``rounding`` is how the bucket's 16-bit params are rounded back when they
@@ -183,6 +184,12 @@ def stored_level(impl: str, device: torch.device, rounding: str = "nearest") -> 
     bf16 params rounded "stochastic" (drawing the bits ``storage.stochastic_round`` draws) or "kahan" (the
     compensation loaded and stored in the kernel); fp16 params and strided tensors run staged."""
     if impl == "foreach" and device.type == "cpu" and ROUTING and ROUTE_FOREACH_ON_CPU:
+        impl = "fused"
+    if impl == "compiled" and device.type == "cpu" and ROUTING and not uses_triton(device) and rounding == "nearest":
+        # measured (`fastoptim bench -w gpt --params 4M --impl compiled --state-bits 8`): 175 ms/step on its own
+        # path (dequantized temporaries), 8 ms routed
+        say_routed("compiled", "fused", "for state kept at 16/8/4 bits the fused level's CPU kernel loads and "
+                   "stores it in one pass; the compiled level would step dequantized temporaries, ~40x slower")
         impl = "fused"
     if impl not in ("auto", "fused"):
         return None
