@@ -47,7 +47,8 @@ import torch
 from torch import Tensor
 
 from . import cpp_twin
-from ..storage import Format, QuantizedState, quant
+from .. import storage
+from ..storage import Format, quant
 
 CXXFLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-shared",
             "-fPIC", "-std=c++17")
@@ -62,35 +63,10 @@ class KernelUnavailable(RuntimeError):
 
 # --- formats a kernel takes -------------------------------------------------------------------------
 
-def kernel_format(state, p: Tensor) -> Format | None:
-    """The format ``state`` of ``p`` is in, when the kernel can load and store it in place (None: not)."""
-    if isinstance(state, QuantizedState):
-        ok = state.codes.is_contiguous() and state.absmax.is_contiguous() and state.absmax.dtype == torch.float32
-        return state.fmt if ok and state.shape == p.shape else None
-    if isinstance(state, Tensor) and state.dtype == torch.bfloat16 and state.is_contiguous():
-        return Format(16)
-    return None
-
-
 def signature(params: Sequence[Tensor], grads: Sequence[Tensor], states: Sequence[list | None], i: int):
     """The state formats of param ``i`` when the kernel takes it whole (fp32, contiguous, every active state
     16/8/4-bit and of one width), else None."""
-    p, g = params[i], grads[i]
-    if p.dtype != torch.float32 or g.dtype != torch.float32 or not (p.is_contiguous() and g.is_contiguous()):
-        return None
-    if p.numel() == 0 or g.shape != p.shape:
-        return None
-    formats = []
-    for column in states:
-        if column is None:
-            formats.append(None)
-            continue
-        fmt = kernel_format(column[i], p)
-        if fmt is None:
-            return None
-        formats.append(fmt)
-    widths = {f.bits for f in formats if f is not None}
-    return tuple(formats) if len(widths) == 1 else None
+    return storage.kernel_signature(params, grads, states, i)
 
 
 # --- the generated source ----------------------------------------------------------------------------

@@ -45,9 +45,10 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from . import is_dtensor, pack_scalars, took
+from . import pack_scalars, took
 from .triton_kernels import ALIGN, NUM_WARPS, _exec_source, _jit, interpreting, triton_twin
-from ..storage import Format, QuantizedState, quant
+from .. import storage
+from ..storage import Format, quant
 
 PIECE = 256          # elements per work block at 16 bits (no codec block there)
 TILE_ELEMENTS = 2048  # elements per tile: 16 per thread at 4 warps, one 128-bit load of 8-bit codes
@@ -64,21 +65,6 @@ def tile_blocks(bits: int) -> int:
 
 # --- formats the kernel takes --------------------------------------------------------------------------
 
-def kernel_format(state, p: Tensor) -> Format | None:
-    if isinstance(state, QuantizedState):
-        if is_dtensor(state.codes) or state.shape != p.shape or state.device != p.device:
-            return None
-        ok = (state.codes.dtype == torch.uint8 and state.codes.is_contiguous() and state.absmax.is_contiguous()
-              and state.absmax.dtype == torch.float32
-              and tuple(state.codes.shape) == quant.codes_shape(p.shape, state.fmt.bits)
-              and tuple(state.absmax.shape) == quant.absmax_shape(p.shape, state.fmt.block))
-        return state.fmt if ok else None
-    if isinstance(state, Tensor) and not is_dtensor(state) and state.dtype == torch.bfloat16 \
-            and state.is_contiguous() and state.shape == p.shape and state.device == p.device:
-        return Format(16)
-    return None
-
-
 ROUNDINGS = ("nearest", "stochastic", "kahan")  # "nearest": fp32 params; the others: bf16 params
 
 
@@ -87,23 +73,7 @@ def signature(params: Sequence[Tensor], grads: Sequence[Tensor], states: Sequenc
     """The state formats of param ``i`` when the kernel takes it whole, else None. fp32 params and grads; with
     ``rounding`` "stochastic" or "kahan", bf16 ones (stepped in fp32 and rounded back so), whose plain states are
     bf16 too: they step through fp32 and are stored rounded to nearest, exactly the 16-bit format."""
-    p, g = params[i], grads[i]
-    dtype = torch.float32 if rounding == "nearest" else torch.bfloat16
-    if is_dtensor(p) or is_dtensor(g) or p.dtype != dtype or g.dtype != dtype:
-        return None
-    if not (p.is_contiguous() and g.is_contiguous()) or p.numel() == 0 or g.shape != p.shape:
-        return None
-    formats = []
-    for column in states:
-        if column is None:
-            formats.append(None)
-            continue
-        fmt = kernel_format(column[i], p)
-        if fmt is None:
-            return None
-        formats.append(fmt)
-    widths = {f.bits for f in formats if f is not None}
-    return tuple(formats) if len(widths) == 1 else None
+    return storage.kernel_signature(params, grads, states, i, torch.float32 if rounding == "nearest" else torch.bfloat16)
 
 
 # --- the generated kernel ---------------------------------------------------------------------------

@@ -339,6 +339,47 @@ def store(state: Tensor | QuantizedState, values: Tensor) -> None:
         state.copy_(values)  # 16-bit: rounds to nearest
 
 
+# --- what an in-kernel path takes as stored ---------------------------------------------------------------
+
+def kernel_format(state: Any, p: Tensor) -> Format | None:
+    """The format ``state`` of ``p`` is kept in, where a kernel can load and store it in place (its tensors
+    local, contiguous and laid out as the codec lays them out), else None."""
+    if isinstance(state, QuantizedState):
+        if _is_dtensor(state.codes) or state.shape != p.shape or state.device != p.device:
+            return None
+        ok = (state.codes.dtype == torch.uint8 and state.codes.is_contiguous() and state.absmax.is_contiguous()
+              and state.absmax.dtype == torch.float32
+              and tuple(state.codes.shape) == quant.codes_shape(p.shape, state.fmt.bits)
+              and tuple(state.absmax.shape) == quant.absmax_shape(p.shape, state.fmt.block))
+        return state.fmt if ok else None
+    if isinstance(state, Tensor) and not _is_dtensor(state) and state.dtype == torch.bfloat16 \
+            and state.is_contiguous() and state.shape == p.shape and state.device == p.device:
+        return Format(16)
+    return None
+
+
+def kernel_signature(params: list[Tensor], grads: list[Tensor], states: list[list | None], i: int,
+                     dtype: torch.dtype = torch.float32) -> tuple | None:
+    """The state formats of param ``i`` where a kernel takes it whole (local contiguous params and grads of
+    ``dtype``, every active state 16, 8 or 4-bit and all of one width), else None."""
+    p, g = params[i], grads[i]
+    if _is_dtensor(p) or _is_dtensor(g) or p.dtype != dtype or g.dtype != dtype:
+        return None
+    if not (p.is_contiguous() and g.is_contiguous()) or p.numel() == 0 or g.shape != p.shape:
+        return None
+    formats = []
+    for column in states:
+        if column is None:
+            formats.append(None)
+            continue
+        fmt = kernel_format(column[i], p)
+        if fmt is None:
+            return None
+        formats.append(fmt)
+    widths = {f.bits for f in formats if f is not None}
+    return tuple(formats) if len(widths) == 1 else None
+
+
 def needs_staging(params: list[Tensor], states: list[list | None]) -> bool:
     return any(not is_plain(x, p) for s in states if s is not None for x, p in zip(s, params))
 
