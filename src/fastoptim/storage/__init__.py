@@ -401,8 +401,9 @@ def run_staged(run: Callable, bucket, *args, found_inf: Tensor | None = None, ro
 
     # 16-bit params step in fp32 where they are rounded by other means, or where a state is kept at another
     # width than theirs (its values are not rounded to the param's dtype on the way: one rounding, at the end)
-    fp32 = bucket.params[0].dtype in LOW_PRECISION_PARAMS and (
-        rounding != "nearest" or needs_staging(bucket.params, bucket.states))
+    dtype = bucket.params[0].dtype
+    fp32 = rounds_in_fp32(dtype, rounding) or (dtype in LOW_PRECISION_PARAMS
+                                               and needs_staging(bucket.params, bucket.states))
     params, grads = bucket.params, bucket.grads
     if fp32:
         owners = [entries(i) if rounding != "nearest" else (None, None, p) for i, p in enumerate(params)]
