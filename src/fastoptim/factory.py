@@ -24,9 +24,41 @@ def param_groups(model: torch.nn.Module, weight_decay: float | None = None) -> l
     return [g for g in groups if g["params"]]
 
 
+def muon_groups(model: torch.nn.Module, weight_decay: float | None = None, adamw_lr: float = 3e-4,
+                adamw_betas: tuple = (0.9, 0.95), adamw_eps: float = 1e-8) -> list[dict]:
+    """The usual Muon recipe as param groups of one optimizer: Muon for the hidden matrices; AdamW (``adamw_lr``,
+    ``adamw_betas``, ``adamw_eps``) for embeddings, the output head (a Linear tied to an embedding, or as wide as
+    one's vocabulary) and every param that is not a matrix, with no weight decay on 0-d/1-d params."""
+    embeddings = [m for m in model.modules() if isinstance(m, torch.nn.Embedding)]
+    vocab = {m.num_embeddings for m in embeddings}
+    apart = {id(m.weight) for m in embeddings}
+    apart |= {id(m.weight) for m in model.modules()
+              if isinstance(m, torch.nn.Linear) and m.out_features in vocab}
+    hidden, matrices, vectors = [], [], []
+    for p in model.parameters():
+        if not p.requires_grad:
+            continue
+        if p.dim() == 2 and id(p) not in apart:
+            hidden.append(p)
+        else:
+            (matrices if p.dim() >= 2 else vectors).append(p)
+    decay = {} if weight_decay is None else {"weight_decay": weight_decay}
+    adamw = dict(use_muon=False, lr=adamw_lr, betas=adamw_betas, eps=adamw_eps)
+    groups = [{"params": hidden, **decay}, {"params": matrices, **adamw, **decay},
+              {"params": vectors, **adamw, "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]
+
+
 def create(model_or_params: torch.nn.Module | Iterable, name: str, **kwargs: Any) -> FastOptimizer:
-    """``create(model, "adamw", lr=3e-4, weight_decay=0.1, impl="foreach")``."""
+    """``create(model, "adamw", lr=3e-4, weight_decay=0.1, impl="foreach")``; ``create(model, "muon", lr=0.02,
+    adamw_lr=3e-4)`` builds the Muon recipe (``muon_groups``) in one optimizer."""
     cls = get(name).cls
+    if isinstance(model_or_params, torch.nn.Module) and get(name).name == "muon":
+        recipe = {k: kwargs.pop(k) for k in ("adamw_lr", "adamw_betas", "adamw_eps") if k in kwargs}
+        groups = muon_groups(model_or_params, kwargs.pop("weight_decay", None), **recipe)
+        if not groups:
+            raise ValueError("the model has no parameters that require grad")
+        return cls(groups, **kwargs)
     if isinstance(model_or_params, torch.nn.Module):
         groups = param_groups(model_or_params, kwargs.pop("weight_decay", None))
         if not groups:

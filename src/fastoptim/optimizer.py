@@ -20,6 +20,7 @@ back when the flag is read, at the next step or when ``state`` is read; other le
 from __future__ import annotations
 
 import copy
+from functools import partial
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
@@ -28,7 +29,7 @@ from torch import Tensor
 
 from . import clip, levels, plan, storage
 from .flat import FlatBucket
-from .levels import Bucket, is_dtensor
+from .levels import Bucket, is_dtensor, stages
 from .rules import Rule
 
 
@@ -132,6 +133,18 @@ class FastOptimizer(torch.optim.Optimizer):
             candidate.setdefault(k, v)
         self.rule.validate(candidate)
         self._check_storage(candidate)
+        rule = self.rule.for_group(candidate)
+        params = param_group["params"]
+        if not isinstance(params, set):  # (torch refuses a set, with its own message)
+            param_group["params"] = params = [params] if isinstance(params, Tensor) else list(params)
+        for p in params:
+            why = rule.check_param(p, candidate) if isinstance(p, Tensor) else None
+            if why:
+                raise ValueError(why)
+        if self.flat and any(rule.state_shape(n, p) not in (None, tuple(p.shape))
+                             for n in rule.state_names for p in params if isinstance(p, Tensor)):
+            raise ValueError(f"flat=True keeps each state as a view of one buffer shaped like the params; "
+                             f"{type(self).__name__} keeps factored states of other shapes: use flat=False")
         if self.flat:  # checked before torch adds the group: a refused group leaves no trace
             params = param_group["params"]
             param_group["params"] = params = [params] if isinstance(params, Tensor) else list(params)
@@ -146,22 +159,23 @@ class FastOptimizer(torch.optim.Optimizer):
             bits, min_quant_size, _ = self._storage_settings(group)
             kept_apart = lambda p: storage.format_for(p, "", bits, min_quant_size, frozenset()).quantized  # noqa: E731
             self._flat_buckets.append([FlatBucket(ps, first=kept_apart) for ps in by_key.values()])
-        if self.rule.eager_state:
+        if self.rule.for_group(group).eager_state:
             for p in group["params"]:
                 self._init_state(p, group)
 
     def _init_state(self, p: Tensor, group: dict) -> dict:
         state = self._state[p]
+        rule = self.rule.for_group(group)
         if not state:
-            if self.rule.exports_step:
+            if rule.exports_step:
                 state["step"] = 0
-            for name, needed in zip(self.rule.state_names, self.rule.active(group)):
-                if needed:
+            for name, needed in zip(rule.state_names, rule.active(group)):
+                if needed and rule.state_shape(name, p) is not None:
                     state[name] = self._new_state(p, name, group)
         return state
 
     def _new_state(self, p: Tensor, name: str, group: dict) -> Tensor | storage.QuantizedState:
-        return storage.make(p, self._state_format(p, name, group), self.rule.initial_value(name, group))
+        return plan.new_state(self.rule.for_group(group), p, name, group, self._state_format(p, name, group))
 
     def _storage_settings(self, group: dict) -> tuple[int, int, str]:
         """The group's ``state_bits``, ``min_quant_size`` and ``rounding`` (the optimizer's where the group sets
@@ -183,14 +197,17 @@ class FastOptimizer(torch.optim.Optimizer):
         if rounding != "nearest" and any(p.dtype == torch.complex32 for p in group.get("params", ())):
             raise ValueError(f"rounding={rounding!r} takes real bf16/fp16 params; this group has complex32 params: "
                              "use rounding='nearest' for them")
-        why = self.rule.refuses_quantized_state(group) if bits in (8, 4) else None
+        why = self.rule.for_group(group).refuses_quantized_state(group) if bits in (8, 4) else None
         if why:
             raise ValueError(f"{type(self).__name__} with state_bits={bits}: {why}")
 
     def _state_format(self, p: Tensor, name: str, group: dict) -> storage.Format:
         """How a state of ``p`` is kept: the group's ``state_bits`` (the optimizer's by default)."""
         bits, min_quant_size, _ = self._storage_settings(group)
-        return storage.format_for(p, name, bits, min_quant_size, self.rule.unsigned_states)
+        rule = self.rule.for_group(group)
+        if rule.state_shape(name, p) != tuple(p.shape):  # factored states are small: kept plain
+            return storage.Format(32)
+        return storage.format_for(p, name, bits, min_quant_size, rule.unsigned_states)
 
     # --- the step -------------------------------------------------------------------------------
 
@@ -209,7 +226,8 @@ class FastOptimizer(torch.optim.Optimizer):
         found_inf = getattr(self, "found_inf", None)
         if found_inf is not None and not isinstance(found_inf, Tensor):  # GradScaler's sum over no grads: 0
             found_inf = torch.tensor(float(found_inf))
-        in_kernel = found_inf is not None and levels.skips_in_kernel(self.impl, found_inf.device)
+        in_kernel = (found_inf is not None and levels.skips_in_kernel(self.impl, found_inf.device)
+                     and not any(self.rule.for_group(group).stages for group, _, _ in work))
         if found_inf is not None and not in_kernel and found_inf.item() != 0:
             return loss  # GradScaler saw inf/NaN grads: this step changes nothing
         amp = _Amp(self._grad_mul(work), found_inf if in_kernel else None)
@@ -226,7 +244,8 @@ class FastOptimizer(torch.optim.Optimizer):
         if not params:
             return None
         cached = self._plans.get(index)
-        shape = (self.rule.active(group), self._storage_settings(group))  # what the plan's buckets follow from
+        rule = self.rule.for_group(group)
+        shape = (rule, rule.active(group), self._storage_settings(group))  # what the plan's buckets follow from
         if cached is not None and cached.fits(params, shape, self._state):
             return cached
         self._check_storage(group)
@@ -238,7 +257,7 @@ class FastOptimizer(torch.optim.Optimizer):
                 why = None if value is None else storage.check_rounding_state(name, value, p)
                 if why:
                     raise ValueError(f"state {name!r} of param {self._param_index(p)} {why}")
-        built = plan.build(self.rule, group, params, self._state, self._state_format, self._param_index,
+        built = plan.build(rule, group, params, self._state, self._state_format, self._param_index,
                            self._flat_buckets[index] if self.flat else None)
         built.active = shape
         return built
@@ -251,17 +270,17 @@ class FastOptimizer(torch.optim.Optimizer):
                 self._plans[index] = step_plan
             else:
                 self._plans.pop(index, None)
-        taken = step_plan.advance(self.rule, group)
+        rule, run = self.rule.for_group(group), None
+        taken = step_plan.advance(rule, group)
         if amp.found_inf is not None:
             amp.taken.extend(taken)
-        rule, run = self.rule, None
         group = _hyper_view(group)
         flags = rule.flags(group)
         extra = {} if amp.found_inf is None else {"found_inf": amp.found_inf}
         bits, _, rounding = self._storage_settings(group)
         for bucket in step_plan.buckets:
             level_bucket = Bucket(bucket.params, bucket.grads(grads), bucket.states, bucket.cache)
-            run = run or levels.level(self.impl, level_bucket.device)
+            run = run or (partial(stages.run, self.impl) if rule.stages else levels.level(self.impl, level_bucket.device))
             rounded = storage.rounds_in_fp32(bucket.params[0].dtype, rounding)
             if bucket.staged is None:  # plain formats are checked to be the param's dtype: never staged
                 bucket.staged = rounded or bits != 32 and storage.needs_staging(bucket.params, bucket.states)
@@ -277,7 +296,8 @@ class FastOptimizer(torch.optim.Optimizer):
             def entries(i, owners=bucket.owners):  # the state dict, optimizer index and param of the i-th param
                 return self._state[owners[i]], self._param_index(owners[i]), owners[i]
 
-            stored = levels.stored_level(self.impl, level_bucket.device, rounding if rounded else "nearest")
+            stored = None if rule.stages else levels.stored_level(self.impl, level_bucket.device,
+                                                                   rounding if rounded else "nearest")
             if stored is not None:
                 rounds = {"rounding": rounding, "entries": entries} if rounded else {}
                 level_bucket = stored(rule, level_bucket, *args, **extra, **rounds)
@@ -314,7 +334,7 @@ class FastOptimizer(torch.optim.Optimizer):
             if done is not None:
                 done.synchronize()
             if flag.item() != 0:
-                plan.take_back(self._state, taken, self.rule.exports_step)
+                plan.take_back(self._state, taken)
 
     def _collect(self, group: dict) -> tuple[dict, list[Tensor], list[Tensor] | None]:
         """The params that step and their grads (in the param's dtype); flat mode: every param (grads are views,
@@ -493,9 +513,11 @@ class FastOptimizer(torch.optim.Optimizer):
                 if name == storage.RNG:  # the rounding's random stream: [seed, draws]
                     kept.append((index, p, name, value.clone()))  # past torch's loader, which casts to bf16
                     continue
-                if value.shape != p.shape:
+                shape = self.rule.for_group(group_of[id(p)]).state_shape(name, p)
+                if shape is not None and tuple(value.shape) != shape:
                     raise ValueError(f"loaded state dict's {name!r} for param {index} has shape "
-                                     f"{tuple(value.shape)}, the param has shape {tuple(p.shape)}")
+                                     f"{tuple(value.shape)}; it must have shape {shape} (the param has shape "
+                                     f"{tuple(p.shape)})")
                 if value.dtype == torch.bfloat16 != p.dtype \
                         and self._state_format(p, name, group_of[id(p)]).bits == 16:  # kept as saved
                     kept.append((index, p, name, value.to(p.device, copy=True)))

@@ -13,8 +13,8 @@ torch.optim's ``foreach=True`` / ``fused=True`` are accepted as spellings of ``i
 from __future__ import annotations
 
 from .optimizer import FastOptimizer
-from .rules import (AdadeltaRule, AdagradRule, ASGDRule, AdamaxRule, AdamRule, LionRule, NAdamRule, RAdamRule, RMSpropRule, RpropRule,
-                    SGDRule)
+from .rules import (AdadeltaRule, AdafactorRule, AdagradRule, ASGDRule, AdamaxRule, AdamRule, LionRule, MuonRule, NAdamRule,
+                    RAdamRule, RMSpropRule, RpropRule, SGDRule)
 
 
 def _impl(impl: str, foreach: bool | None, fused: bool | None) -> str:
@@ -148,3 +148,31 @@ class ASGD(FastOptimizer):
                  rounding="nearest", fused=None):
         super().__init__(params, _impl(impl, foreach, fused), flat, max_grad_norm, state_bits, min_quant_size, rounding,
                          lr=lr, lambd=lambd, alpha=alpha, t0=t0, weight_decay=weight_decay, maximize=maximize)
+
+
+class Adafactor(FastOptimizer):
+    rule = AdafactorRule()
+
+    def __init__(self, params, lr=1e-2, beta2_decay=-0.8, eps=(None, 1e-3), d=1.0, weight_decay=0.0, *,
+                 foreach=None, maximize=False, impl="auto", flat=False, max_grad_norm=None, state_bits=32,
+                 min_quant_size=4096, rounding="nearest", fused=None):
+        super().__init__(params, _impl(impl, foreach, fused), flat, max_grad_norm, state_bits, min_quant_size, rounding,
+                         lr=lr, beta2_decay=beta2_decay, eps=eps, d=d, weight_decay=weight_decay, maximize=maximize)
+
+
+class Muon(FastOptimizer):
+    """torch.optim.Muon, plus: every level (Newton-Schulz batched over same-shape matrices), ``ns_dtype``
+    (None: bf16 on CUDA, fp32 elsewhere), and param groups with ``use_muon=False`` stepped by AdamW (their
+    ``lr``, ``betas``, ``eps``, ``weight_decay``, ``amsgrad``, ``maximize``), so one optimizer covers a whole
+    model: ``fastoptim.create(model, "muon")``."""
+    rule = MuonRule()
+
+    def __init__(self, params, lr=1e-3, weight_decay=0.1, momentum=0.95, nesterov=True,
+                 ns_coefficients=(3.4445, -4.7750, 2.0315), eps=1e-7, ns_steps=5, adjust_lr_fn=None, *,
+                 ns_dtype=None, use_muon=True, betas=(0.9, 0.95), amsgrad=False, maximize=False, impl="auto",
+                 flat=False, max_grad_norm=None, state_bits=32, min_quant_size=4096, rounding="nearest",
+                 foreach=None, fused=None):
+        super().__init__(params, _impl(impl, foreach, fused), flat, max_grad_norm, state_bits, min_quant_size, rounding,
+                         lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
+                         ns_coefficients=ns_coefficients, eps=eps, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn,
+                         ns_dtype=ns_dtype, use_muon=use_muon, betas=betas, amsgrad=amsgrad, maximize=maximize)

@@ -275,14 +275,14 @@ class Plan:
                 for state in bucket.dicts:
                     for name, value in zip(names, bucket.host):
                         setitem(state, name, value)
-        return [(bucket.owners, bucket.dicts, created, dict(zip(names, bucket.host_before)))
+        return [(bucket.owners, bucket.dicts, created, dict(zip(names, bucket.host_before)), rule.exports_step)
                 for bucket in self.buckets]
 
 
-def take_back(state_map: StateMap, taken: list, exports_step: bool) -> None:
+def take_back(state_map: StateMap, taken: list) -> None:
     """A step the kernels skipped: counters go back one; the states the step created go away, as if it
     never ran (torch.optim has no state for a param before its first step)."""
-    for owners, dicts, created, host_before in taken:
+    for owners, dicts, created, host_before, exports_step in taken:
         for p, state in zip(owners, dicts):
             if state is None:
                 continue
@@ -335,21 +335,33 @@ def _count(state: dict | None, exports_step: bool) -> int:
     return int(step)
 
 
-def _check_state_tensor(value: Any, p: Tensor, name: str, index: int) -> None:
-    """A state tensor the level can run on: the param's shape, dtype and device."""
+def _check_state_tensor(value: Any, p: Tensor, name: str, index: int, shape: tuple | None = None) -> None:
+    """A state tensor the level can run on: the param's dtype and device, and its shape (or ``shape``)."""
     if not isinstance(value, Tensor):
         raise TypeError(f"state {name!r} of param {index} must be a tensor, got {type(value).__name__}")
-    if value.shape != p.shape or value.dtype != p.dtype or value.device != p.device:
+    shape = tuple(p.shape) if shape is None else shape
+    if tuple(value.shape) != shape or value.dtype != p.dtype or value.device != p.device:
         raise ValueError(f"state {name!r} of param {index} has shape {tuple(value.shape)}, dtype {value.dtype}, "
-                         f"device {value.device}; the param has shape {tuple(p.shape)}, dtype {p.dtype}, "
-                         f"device {p.device}")
+                         f"device {value.device}; it must have shape {shape}, dtype {p.dtype}, device {p.device} "
+                         f"(the param has shape {tuple(p.shape)})")
 
 
-def _adopt(value: Any, p: Tensor, fmt: storage.Format, name: str, index: int):
+def new_state(rule, p: Tensor, name: str, group: dict, fmt: storage.Format):
+    """A new state ``name`` of ``p`` at its initial value, in ``fmt`` (a factored one plain, of its own shape)."""
+    shape = rule.state_shape(name, p)
+    if shape != tuple(p.shape):
+        return torch.full(shape, rule.initial_value(name, group), dtype=p.dtype, device=p.device)
+    return storage.make(p, fmt, rule.initial_value(name, group))
+
+
+def _adopt(value: Any, p: Tensor, fmt: storage.Format, name: str, index: int, shape: tuple | None = None):
     """A state found in the param's dict, in the format it is kept in: plain ones must fit the param as
     they are; a plain tensor found where another format is kept is converted (a torch.optim checkpoint), and
     so is a bf16 (16-bit) or quantized one where the state is now plain (``state_bits`` edited)."""
     kept_at_16 = isinstance(value, Tensor) and value.dtype == torch.bfloat16 != p.dtype and p.is_floating_point()
+    if shape is not None and shape != tuple(p.shape):  # a factored state: plain, of its own shape
+        _check_state_tensor(value, p, name, index, shape)
+        return value
     if fmt.plain and not isinstance(value, storage.QuantizedState) and not kept_at_16:
         _check_state_tensor(value, p, name, index)
         return value
@@ -407,19 +419,21 @@ def build(rule, group: dict, params: list[Tensor], state_map: StateMap, state_fo
         def make(name, value, p=p):
             fmt = state_format(p, name, group)
             if value is None:
-                return storage.make(p, fmt, rule.initial_value(name, group)), None
-            return _adopt(value, p, fmt, name, param_index(p)), None
-        tensors, count = _param_states(plan, p, state_map.get(p), names, rule.exports_step, make, param_index)
+                return new_state(rule, p, name, group, fmt), None
+            return _adopt(value, p, fmt, name, param_index(p), rule.state_shape(name, p)), None
+        held = tuple(on and rule.state_shape(name, p) is not None for name, on in zip(rule.state_names, active))
+        tensors, count = _param_states(plan, p, state_map.get(p), [n for n, on in zip(rule.state_names, held) if on],
+                                       rule.exports_step, make, param_index)
         host = _host(plan, rule, group, p, state_map.get(p))
         owner = p
         convert = is_dtensor(p) or p.is_complex()
         if convert:  # views made anew every step: such a group is planned afresh every step
             plan.reusable = False
             p, tensors = _local_real(p), [_local_real(t) for t in tensors]
-        key = (p.device, p.dtype, count, host)
+        key = (p.device, p.dtype, count, host, held)
         bucket = buckets.get(key)
         if bucket is None:
-            bucket = buckets[key] = PlanBucket(key[:2], count, [], [[] if on else None for on in active], [], [],
+            bucket = buckets[key] = PlanBucket(key[:2], count, [], [[] if on else None for on in held], [], [],
                                                convert=convert, host=host)
         bucket.params.append(p)
         bucket.owners.append(owner)
@@ -474,7 +488,7 @@ def _build_flat(plan: Plan, rule, group: dict, fb: FlatBucket, names: list[str],
     def states(members: list[int]) -> list[list | None]:
         return [[tensors[i][column[n]] for i in members] if n in column else None for n in rule.state_names]
 
-    if len(set(counts)) == 1:  # the usual case: one pass over each flat buffer (and one kernel call for the rest)
+    if len(set(counts)) == 1 and not rule.stages:  # the usual case: one pass over each flat buffer (and one kernel call for the rest)
         count, host = counts[0]
         if start:
             plan.buckets.append(PlanBucket((fb.device, fb.dtype), count, list(fb.params[:start]),
@@ -485,7 +499,8 @@ def _build_flat(plan: Plan, rule, group: dict, fb: FlatBucket, names: list[str],
             plan.buckets.append(PlanBucket((fb.device, fb.dtype), count, [fb.param_buffer[off:]], buffers,
                                            list(fb.params[start:]), None, flat_grad=fb.grad_buffer[off:], host=host))
         return
-    # params at different counts (a reset state, a partial checkpoint): per param, on the views
+    # params at different counts (a reset state, a partial checkpoint), or a rule with per-tensor stages (they need
+    # each param's shape): per param, on the views
     by_count: dict[tuple, list[int]] = {}
     for i, c in enumerate(counts):
         by_count.setdefault(c, []).append(i)

@@ -48,9 +48,45 @@ class ReferenceLion(torch.optim.Optimizer):
                 state["exp_avg"].copy_(beta2 * m + (1 - beta2) * g)
 
 
+class ReferenceMuon(torch.optim.Muon):
+    """torch.optim.Muon with its Newton-Schulz in ``ns_dtype`` instead of bf16: torch's own single-tensor loop
+    (``lerp``, ``addmm``, the same order of operations), one matrix at a time. With float32 it is the oracle of
+    fastoptim's fp32 Newton-Schulz (the CPU's choice); torch.optim.Muon itself is its bf16 twin."""
+
+    def __init__(self, params, *args, ns_dtype: torch.dtype = torch.float32, **kwargs):
+        super().__init__(params, *args, **kwargs)
+        self.ns_dtype = ns_dtype
+
+    @torch.no_grad()
+    def step(self):
+        from torch.optim._muon import _adjust_lr
+        for group in self.param_groups:
+            a, b, c = group["ns_coefficients"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if "momentum_buffer" not in state:
+                    state["momentum_buffer"] = torch.zeros_like(p.grad)
+                buf = state["momentum_buffer"]
+                buf.lerp_(p.grad, 1 - group["momentum"])
+                update = p.grad.lerp(buf, group["momentum"]) if group["nesterov"] else buf
+                x = update.to(self.ns_dtype)
+                if update.size(0) > update.size(1):
+                    x = x.T
+                x = x / x.norm().clamp(min=group["eps"])
+                for _ in range(group["ns_steps"]):
+                    gram = x @ x.T
+                    x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+                if update.size(0) > update.size(1):
+                    x = x.T
+                p.mul_(1 - group["lr"] * group["weight_decay"])
+                p.add_(x, alpha=-_adjust_lr(group["lr"], group["adjust_lr_fn"], p.shape))
+
+
 def reference_class(spec: OptimizerSpec):
     if spec.reference is None:
-        return {"lion": ReferenceLion}[spec.name]
+        return {"lion": ReferenceLion, "muon": ReferenceMuon}[spec.name]
     return getattr(torch.optim, spec.reference)
 
 

@@ -2,7 +2,7 @@
 
 ``option_sets`` are the hyper-parameter combinations that together turn on every flag of the rule; the
 test suite runs each of them at every level against ``reference`` (a torch.optim class name, or None when
-fastoptim's loop level is checked against a plain reference loop in the tests instead).
+fastoptim's loop level is checked against a plain reference loop in the tests instead: ``fastoptim.reference``).
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ class OptimizerSpec:
     cls: type[FastOptimizer]
     reference: str | None
     option_sets: tuple[dict, ...]
+    # the params it takes: "any", or "matrices" (2-D only: Muon); the tests give it such params
+    params: str = "any"
 
 
 OPTIMIZERS: dict[str, OptimizerSpec] = {spec.name: spec for spec in (
@@ -79,6 +81,16 @@ OPTIMIZERS: dict[str, OptimizerSpec] = {spec.name: spec for spec in (
         dict(lr=5e-2, lambd=0.1, alpha=0.5, t0=5, weight_decay=0.1),
         dict(lr=1e-2, t0=2, maximize=True),
     )),
+    OptimizerSpec("adafactor", optimizers.Adafactor, "Adafactor", (
+        dict(lr=1e-2),
+        dict(lr=1e-2, weight_decay=0.1, beta2_decay=-0.5, eps=(1e-4, 1e-3), d=2.0),
+        dict(lr=1e-2, maximize=True, weight_decay=0.05),
+    )),
+    OptimizerSpec("muon", optimizers.Muon, None, (
+        dict(lr=2e-2),
+        dict(lr=2e-2, nesterov=False, momentum=0.9, weight_decay=0.3, adjust_lr_fn="match_rms_adamw"),
+        dict(lr=2e-2, ns_steps=3, ns_coefficients=(2.0, -1.5, 0.5), eps=1e-5, adjust_lr_fn="original"),
+    ), params="matrices"),
     OptimizerSpec("lion", optimizers.Lion, None, (
         dict(lr=1e-3),
         dict(lr=1e-3, betas=(0.95, 0.98), weight_decay=0.5),

@@ -42,7 +42,8 @@ def is_dtensor(t) -> bool:
 
 # --- which path ran: tests of a fast path assert that it ran -------------------------------------------
 
-PATHS = ("loop", "foreach", "compiled", "triton", "triton_stored", "torch_fused", "cpu_kernel")
+PATHS = ("loop", "foreach", "compiled", "triton", "triton_stored", "torch_fused", "cpu_kernel",
+         "stage_loop", "stage_batched", "stage_compiled")  # (the last three: per-tensor stages, ``stages``)
 _path_log: list[str] | None = None
 
 

@@ -11,6 +11,14 @@ A rule supplies
                       floats and moved by ``host_step``; ``scalars`` gets their values before the step;
   * ``update``        the elementwise math: ``update(p, g, *states, *scalars, *FLAGS) -> (p, *states)``.
 
+A rule that is not elementwise (Muon's Newton-Schulz, Adafactor's row and column factors) gives ``stages``
+instead of ``update``: a short pipeline of ``Elementwise`` stages (the contract above, over named tensors) and
+``PerTensor`` stages (torch ops on a batch of same-shape tensors: matrix products, reductions over a tensor's
+own dims). The levels run each stage's one source: elementwise stages as they run ``update``, per-tensor stages
+one tensor at a time (loop) or batched over each shape group (the other levels). ``scratch`` names the
+temporaries the stages pass between them (param-shaped, made per step). A rule may hand a param group to
+another rule (``for_group``: Muon's AdamW groups).
+
 ``update`` receives every state in ``state_names`` order, ``None`` for the inactive ones, and returns them
 in the same order (inactive ones passed through). It uses arithmetic operators and ``prims`` only, on
 tensors: arithmetic among scalars alone (``1 - beta1``) belongs in ``scalars``, done once in double
@@ -21,9 +29,30 @@ from __future__ import annotations
 
 import math
 import weakref
+from dataclasses import dataclass
 from typing import Any, Callable, ClassVar
 
 import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class Elementwise:
+    """``update(p, g, *tensors, *scalars, *FLAGS) -> (p, *tensors)``, the elementwise contract, over the states
+    and scratch tensors named in ``tensors`` (in that order)."""
+    update: Callable[..., tuple]
+    tensors: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class PerTensor:
+    """``fn(*reads, *scalars, *FLAGS) -> writes``: torch ops on a batch, each argument ``n`` same-shape tensors
+    stacked on a new leading dim (``n = 1`` on the loop level), so the math reduces and multiplies over dims 1
+    and up only. ``reads`` and ``writes`` name "param", "grad", states and scratch tensors; an inactive state
+    comes as None."""
+    fn: Callable[..., tuple]
+    reads: tuple[str, ...]
+    writes: tuple[str, ...]
 
 
 class Rule:
@@ -41,6 +70,23 @@ class Rule:
     # hyper-parameters alone (NAdam's mu_product): kept here as host floats in the param's state dict, as the step
     # count is, and written as torch's 0-d tensors by state_dict(). ``scalars`` gets their values before the step.
     host_states: ClassVar[tuple[str, ...]] = ()
+    # not elementwise: the pipeline the levels run instead of ``update``, and the temporaries it passes along
+    stages: ClassVar[tuple] = ()
+    scratch: ClassVar[tuple[str, ...]] = ()
+
+    def for_group(self, group: dict) -> "Rule":
+        """The rule whose math steps ``group`` (itself, but for rules that hand some groups to another)."""
+        return self
+
+    def check_param(self, p: Tensor, group: dict) -> str | None:
+        """Why ``p`` cannot be stepped in ``group`` (None: it can); checked when the group is added."""
+        return None
+
+    def state_shape(self, name: str, p: Tensor) -> tuple | None:
+        """The shape of state ``name`` of ``p`` (the param's, but for factored states), or None where ``p``
+        keeps no such state (Adafactor's ``variance`` of a matrix). States of another shape than the param's
+        are kept as plain tensors of its dtype: they are small."""
+        return tuple(p.shape)
 
     def validate(self, group: dict) -> None:
         raise NotImplementedError

@@ -1,0 +1,115 @@
+"""Rules beyond elementwise: each level runs a rule's ``stages`` in order over a bucket.
+
+* ``Elementwise`` stages run through the level itself, exactly as an elementwise rule's ``update`` does (the
+  fused level's Triton kernel on CUDA, the compiled or blocked foreach path on the CPU), over the states and
+  scratch tensors the stage names.
+* ``PerTensor`` stages run one tensor at a time on the loop level (a batch of one) and, on the other levels,
+  once per shape group: the group's tensors stacked on a leading dim, one batched product chain for all of
+  them (the compiled level compiles it). The stacking costs one copy of what the stage reads and writes
+  back; a matrix product chain costs far more than that.
+
+Grads are scaled (GradScaler, clipping) once, into temporaries, before the first stage. Scratch tensors live in
+the bucket's cache: the step plan makes a new bucket (and cache) whenever a param's layout changes.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from . import Bucket, level, pack_scalars, scaled_grads, took
+
+
+class StageRule:
+    """An ``Elementwise`` stage seen by a level as an elementwise rule of its own."""
+    torch_fused = None
+
+    def __init__(self, rule, index: int, stage):
+        self.name = f"{rule.name}_stage{index}"
+        self.update = stage.update
+        self.state_names = stage.tensors
+
+
+@lru_cache(maxsize=None)
+def stage_rule(rule, index: int) -> StageRule:
+    return StageRule(rule, index, rule.stages[index])
+
+
+def _scratch(bucket: Bucket, names: tuple[str, ...]) -> dict[str, list[Tensor]]:
+    made = bucket.cache.get("stage_scratch")
+    if made is None or any(t.shape != p.shape or t.dtype != p.dtype or t.device != p.device
+                           for t, p in zip(made[names[0]] if names else (), bucket.params)):
+        made = bucket.cache["stage_scratch"] = {
+            name: [torch.empty(p.shape, dtype=p.dtype, device=p.device) for p in bucket.params] for name in names}
+    return made
+
+
+def run(impl: str, rule, bucket: Bucket, group: dict, step: int, scalars: tuple, flags: tuple,
+        grad_mul=None) -> None:
+    """One step of the staged ``rule`` over ``bucket`` on level ``impl``."""
+    params = bucket.params
+    tensors: dict[str, list | None] = {"param": params, "grad": scaled_grads(bucket.grads, grad_mul)}
+    tensors.update(zip(rule.state_names, bucket.states))
+    tensors.update(_scratch(bucket, rule.scratch))
+    for index, stage in enumerate(rule.stages):
+        if hasattr(stage, "update"):
+            lists = [tensors[name] for name in stage.tensors]
+            part = Bucket(params, tensors["grad"], lists, bucket.cache.setdefault(("stage", index), {}))
+            level(impl, bucket.device)(stage_rule(rule, index), part, group, step, scalars, flags)
+        else:
+            _per_tensor(impl, stage, tensors, scalars, flags)
+
+
+def shape_groups(tensors: dict[str, list | None], names: tuple[str, ...]) -> list[list[int]]:
+    """Indices of the tensors that stack together: the same shape, dtype and device in every named role."""
+    groups: dict[tuple, list[int]] = {}
+    for i, p in enumerate(tensors["param"]):
+        key = tuple((t[i].shape, t[i].dtype, t[i].device) for t in (tensors[n] for n in names) if t is not None)
+        groups.setdefault(key, []).append(i)
+    return list(groups.values())
+
+
+def _per_tensor(impl: str, stage, tensors: dict, scalars: tuple, flags: tuple) -> None:
+    n = len(tensors["param"])
+    if impl == "loop":
+        took("stage_loop")
+        groups = [[i] for i in range(n)]
+    else:
+        took("stage_compiled" if impl == "compiled" else "stage_batched")
+        groups = shape_groups(tensors, stage.reads + stage.writes)
+    fn = stage.fn
+    if impl == "compiled":
+        fn = _compiled(stage.fn, flags, len(scalars))
+    for members in groups:
+        batch = [None if tensors[name] is None else _stack([tensors[name][i] for i in members])
+                 for name in stage.reads]
+        if impl == "compiled":
+            out = fn(batch, pack_scalars(scalars, tensors["param"][members[0]].device,
+                                         torch.float64 if batch[0].dtype == torch.float64 else torch.float32))
+        else:
+            out = fn(*batch, *scalars, *flags)
+        for name, new in zip(stage.writes, out):
+            if tensors[name] is None:
+                continue
+            targets = [tensors[name][i] for i in members]
+            if len(targets) == 1:
+                targets[0].copy_(new[0])
+            else:
+                torch._foreach_copy_(targets, list(new.unbind(0)))
+
+
+def _stack(ts: list[Tensor]) -> Tensor:
+    return ts[0].unsqueeze(0) if len(ts) == 1 else torch.stack(ts)
+
+
+@lru_cache(maxsize=None)
+def _compiled(fn: Callable, flags: tuple, n_scalars: int) -> Callable:
+    """``fn`` compiled, with the step's scalars as one tensor (lr or beta changes never recompile) and FLAGS
+    baked in."""
+    def stage(batch: list, scalars: Tensor):
+        return fn(*batch, *scalars.unbind(0), *flags)
+    stage.__code__ = stage.__code__.replace(co_name=f"{fn.__name__}_stage")
+    return torch.compile(stage, fullgraph=True)

@@ -1,0 +1,99 @@
+r"""Adafactor (Shazeer & Stern 2018, with the step-size and decay of Zhai et al. 2022), torch.optim.Adafactor's
+semantics: second moments factored into row and column means for params with >= 2 dims.
+
+    g <- -g                                    if maximize
+    beta2_t = 1 - t^beta2_decay;   rho_t = min(lr, 1 / sqrt(t));   alpha = max(eps2, rms(p)) rho_t
+    p <- p (1 - lr wd)
+    >= 2 dims:  R <- beta2_t R + (1 - beta2_t) mean(g^2, last dim)       (rows)
+                C <- beta2_t C + (1 - beta2_t) mean(g^2, next-to-last)   (columns)
+                V = R C / max(mean(R), eps1)
+    else:       V <- beta2_t V + (1 - beta2_t) g^2
+    u = g / sqrt(max(V, eps1^2));   p <- p - alpha / max(1, rms(u) / d) u
+
+eps1 None is the param dtype's machine epsilon. ``alpha`` and the clipping denominator are per-tensor numbers,
+computed in float64 from fp32 norms as torch computes them on the host (here with no host sync).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .base import PerTensor, Rule, _number, check_bool, check_nonnegative, nonzero
+
+
+def _rms(x):
+    """Each tensor's root mean square over its own dims, in float64: (n, 1, ..., 1)."""
+    flat = x.reshape(x.shape[0], -1)
+    norm = flat.norm(dim=1).double() / math.sqrt(max(flat.shape[1], 1))
+    return norm.reshape((-1,) + (1,) * (x.dim() - 1))
+
+
+def adafactor_step(param, grad, row_var, col_var, variance,
+                   lr, decay_factor, one_minus_beta2_t, rho_t, eps1, eps2, d,
+                   MAXIMIZE, WEIGHT_DECAY, EPS1_FROM_DTYPE):
+    g = -grad if MAXIMIZE else grad
+    if EPS1_FROM_DTYPE:
+        eps1 = torch.finfo(param.dtype).eps
+    alpha = torch.clamp(_rms(param), min=eps2) * rho_t
+    if WEIGHT_DECAY:
+        param = param * decay_factor
+    if variance is None:  # factored over the last two dims
+        row_var = torch.lerp(row_var, g.norm(dim=-1, keepdim=True).square() / g.shape[-1], one_minus_beta2_t)
+        col_var = torch.lerp(col_var, g.norm(dim=-2, keepdim=True).square() / g.shape[-2], one_minus_beta2_t)
+        var_estimate = (row_var @ col_var) / row_var.mean(dim=-2, keepdim=True).clamp(min=eps1)
+    else:
+        variance = torch.lerp(variance, g * g, one_minus_beta2_t)
+        var_estimate = variance
+    update = var_estimate.clamp(min=eps1 * eps1).rsqrt() * g
+    denom = torch.clamp(_rms(update) / d, min=1.0)
+    param = param + update * (-alpha / denom).to(param.dtype)
+    return param, row_var, col_var, variance
+
+
+class AdafactorRule(Rule):
+    name = "adafactor"
+    defaults = dict(lr=1e-2, beta2_decay=-0.8, eps=(None, 1e-3), d=1.0, weight_decay=0.0, maximize=False)
+    state_names = ("row_var", "col_var", "variance")
+    unsigned_states = frozenset(state_names)
+    stages = (PerTensor(adafactor_step, ("param", "grad", "row_var", "col_var", "variance"),
+                        ("param", "row_var", "col_var", "variance")),)
+
+    def validate(self, group):
+        check_nonnegative(group, "lr", "weight_decay")
+        beta2_decay = _number("beta2_decay", group["beta2_decay"])
+        if beta2_decay is not None and beta2_decay > 0:
+            raise ValueError(f"Invalid beta2_decay: {beta2_decay} (must be <= 0)")
+        eps = group["eps"]
+        if not isinstance(eps, (tuple, list)) or len(eps) != 2:
+            raise ValueError(f"Invalid eps: {eps!r} (must be a pair (eps1 or None, eps2))")
+        if eps[0] is not None:
+            check_nonnegative({"eps1 (eps[0])": eps[0]}, "eps1 (eps[0])")
+        check_nonnegative({"eps2 (eps[1])": eps[1]}, "eps2 (eps[1])")
+        d = _number("d", group["d"])
+        if d is not None and d < 1.0:
+            raise ValueError(f"Invalid d: {d} (the clipping threshold must be >= 1)")
+        check_bool(group, "maximize")
+
+    def check_param(self, p, group):
+        return "Adafactor does not support complex params" if p.is_complex() else None
+
+    def state_shape(self, name, p):
+        factored = p.dim() >= 2
+        if name == "variance":
+            return tuple(p.shape) if not factored else None
+        if not factored:
+            return None
+        shape = list(p.shape)
+        shape[-1 if name == "row_var" else -2] = 1
+        return tuple(shape)
+
+    def flags(self, group):
+        return (group["maximize"], nonzero(group["weight_decay"]), group["eps"][0] is None)
+
+    def scalars(self, group, step):
+        lr = float(group["lr"])  # torch reads it on the host too (rho_t = min(lr, ...))
+        eps1, eps2 = group["eps"]
+        return (lr, 1 - lr * group["weight_decay"], float(step) ** group["beta2_decay"],
+                min(lr, 1 / math.sqrt(step)), 0.0 if eps1 is None else eps1, eps2, group["d"])

@@ -1,0 +1,130 @@
+r"""Muon: momentum orthogonalised by Newton-Schulz (Jordan et al. 2024; the update scaling of Liu et al. 2025,
+"Muon is Scalable for LLM Training"), torch.optim.Muon's semantics.
+
+    B <- mu B + (1 - mu) g                          (torch's ``buf.lerp_(g, 1 - mu)``)
+    U <- g + mu (B - g)  if nesterov, else B
+    X <- U^T if rows > cols;  X <- X / max(||X||_F, eps)
+    k times:  A = X X^T;  X <- a X + (b A + c A A) X
+    O <- X (transposed back)
+    p <- p (1 - lr wd) - lr r O,   r = sqrt(max(1, rows/cols)) ("original") or 0.2 sqrt(max(rows, cols))
+
+torch runs Newton-Schulz in bf16. Here it runs in ``ns_dtype``: None picks bf16 on CUDA, where its matrix
+units make it fast, and fp32 elsewhere (on a CPU bf16 products are far slower: measured in the README). A param
+group with ``use_muon=False`` is stepped by AdamW with the group's lr, betas, eps and weight_decay (the usual
+recipe: AdamW for embeddings, the output head and 1-D params; ``fastoptim.create(model, "muon")``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .adam import AdamRule
+from .base import Elementwise, PerTensor, Rule, _number, check_bool, check_nonnegative
+
+NS_DTYPES = {None: None, "float32": torch.float32, "bfloat16": torch.bfloat16}
+ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
+
+
+def muon_momentum(p, g, momentum_buffer, update,
+                  eps, lr, decay_factor, one_minus_momentum, momentum,
+                  NESTEROV, NS_COEFFICIENTS, NS_STEPS, NS_DTYPE, ADJUST_LR_FN):
+    momentum_buffer = momentum_buffer + (g - momentum_buffer) * one_minus_momentum
+    if NESTEROV:
+        update = g + (momentum_buffer - g) * momentum
+    else:
+        update = momentum_buffer
+    return p, momentum_buffer, update
+
+
+def lr_ratio(rows: int, cols: int, adjust_lr_fn: str | None) -> float:
+    """torch.optim.Muon's ``_adjust_lr``: how much a matrix of this shape scales lr."""
+    if adjust_lr_fn == "match_rms_adamw":
+        return 0.2 * math.sqrt(max(rows, cols))
+    return math.sqrt(max(1, rows / cols))
+
+
+def newton_schulz(x, coefficients: tuple, eps, steps: int, dtype):
+    """The orthogonalisation of each matrix of the batch ``x`` (n, rows, cols), in ``dtype``, with torch's
+    operations (``baddbmm`` is ``addmm`` batched: the scaling and the sum in the product's own pass)."""
+    a, b, c = coefficients
+    wide = x.shape[-2] <= x.shape[-1]
+    x = x.to(dtype)
+    if not wide:
+        x = x.mT
+    x = x / x.norm(dim=(-2, -1), keepdim=True).clamp(min=eps)
+    for _ in range(steps):
+        gram = x @ x.mT
+        x = torch.baddbmm(x, torch.baddbmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return x if wide else x.mT
+
+
+def muon_orthogonalise(param, update, eps, lr, decay_factor, one_minus_momentum, momentum,
+                       NESTEROV, NS_COEFFICIENTS, NS_STEPS, NS_DTYPE, ADJUST_LR_FN):
+    rows, cols = param.shape[-2:]
+    dtype = NS_DTYPE or (torch.bfloat16 if param.is_cuda else param.dtype)  # what is fast on the device
+    out = newton_schulz(update, NS_COEFFICIENTS, eps, NS_STEPS, dtype)
+    adjusted_lr = lr * lr_ratio(rows, cols, ADJUST_LR_FN)
+    return (param * decay_factor - out.to(param.dtype) * adjusted_lr,)
+
+
+class MuonRule(Rule):
+    name = "muon"
+    defaults = dict(lr=1e-3, weight_decay=0.1, momentum=0.95, nesterov=True,
+                    ns_coefficients=(3.4445, -4.7750, 2.0315), eps=1e-7, ns_steps=5, adjust_lr_fn=None,
+                    ns_dtype=None, use_muon=True, betas=(0.9, 0.95), amsgrad=False, maximize=False)
+    state_names = ("momentum_buffer",)
+    exports_step = False  # torch.optim.Muon keeps no step count
+    scratch = ("update",)
+    stages = (Elementwise(muon_momentum, ("momentum_buffer", "update")),
+              PerTensor(muon_orthogonalise, ("param", "update"), ("param",)))
+    adamw = AdamRule(decoupled=True)
+
+    def for_group(self, group):
+        return self if group.get("use_muon", True) else self.adamw
+
+    def validate(self, group):
+        check_bool(group, "use_muon")
+        if not group["use_muon"]:
+            return self.adamw.validate(group)
+        check_nonnegative(group, "lr", "weight_decay", "eps")
+        _number("momentum", group["momentum"])
+        if float(group["momentum"]) < 0:
+            raise ValueError(f"Invalid momentum: {group['momentum']} (must be >= 0)")
+        check_bool(group, "nesterov")
+        coefficients = group["ns_coefficients"]
+        if not isinstance(coefficients, (tuple, list)) or len(coefficients) != 3:
+            raise ValueError(f"Invalid ns_coefficients: {coefficients!r} (must be three numbers (a, b, c))")
+        for name, value in zip("abc", coefficients):
+            _number(f"ns_coefficients {name}", value)
+        steps = group["ns_steps"]
+        if isinstance(steps, bool) or not isinstance(steps, int) or not 0 <= steps < 100:
+            raise ValueError(f"Invalid ns_steps: {steps!r} (must be a whole number in [0, 100))")
+        if group["adjust_lr_fn"] not in ADJUST_LR_FNS:
+            raise ValueError(f"Invalid adjust_lr_fn: {group['adjust_lr_fn']!r} (must be one of {ADJUST_LR_FNS})")
+        if group["ns_dtype"] not in NS_DTYPES:
+            raise ValueError(f"Invalid ns_dtype: {group['ns_dtype']!r} (must be one of {tuple(NS_DTYPES)})")
+
+    def check_param(self, p, group) -> str | None:
+        """Why ``p`` cannot be stepped by this group (None: it can)."""
+        if group.get("use_muon", True):
+            if p.dim() != 2:
+                return (f"Muon steps 2-D matrices only, got a param of shape {tuple(p.shape)}: put it in a group "
+                        "with use_muon=False (AdamW), as fastoptim.create(model, 'muon') does")
+            if p.is_complex():
+                return "Muon does not support complex params"
+        return None
+
+    def refuses_quantized_state(self, group):
+        return None
+
+    def flags(self, group):
+        # the coefficients are constants of the product chain (``baddbmm`` takes them as numbers)
+        coefficients = tuple(float(c) for c in group["ns_coefficients"])
+        return (group["nesterov"], coefficients, group["ns_steps"], NS_DTYPES[group["ns_dtype"]],
+                group["adjust_lr_fn"])
+
+    def scalars(self, group, step):
+        lr, wd, momentum = group["lr"], group["weight_decay"], group["momentum"]
+        return (group["eps"], lr, 1 - lr * wd, 1 - momentum, momentum)
