@@ -49,13 +49,15 @@ class ReferenceLion(torch.optim.Optimizer):
 
 
 class ReferenceMuon(torch.optim.Muon):
-    """torch.optim.Muon with its Newton-Schulz in ``ns_dtype`` instead of bf16: torch's own single-tensor loop
-    (``lerp``, ``addmm``, the same order of operations), one matrix at a time. With float32 it is the oracle of
-    fastoptim's fp32 Newton-Schulz (the CPU's choice); torch.optim.Muon itself is its bf16 twin."""
+    """torch.optim.Muon with its Newton-Schulz in ``ns_dtype`` (None: what ``fastoptim.Muon`` picks on the CPU):
+    torch's own single-tensor loop (``lerp``, ``addmm``, the same order of operations), one matrix at a time.
+    With bf16 it is torch.optim.Muon; with float32, the oracle of fastoptim's fp32 Newton-Schulz."""
 
-    def __init__(self, params, *args, ns_dtype: torch.dtype = torch.float32, **kwargs):
+    def __init__(self, params, *args, ns_dtype: torch.dtype | str | None = None, **kwargs):
+        from fastoptim.rules.muon import NS_DTYPES, fast_matmul_dtype
+
         super().__init__(params, *args, **kwargs)
-        self.ns_dtype = ns_dtype
+        self.ns_dtype = NS_DTYPES.get(ns_dtype, ns_dtype) or fast_matmul_dtype("cpu")
 
     @torch.no_grad()
     def step(self):

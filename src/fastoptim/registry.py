@@ -86,10 +86,13 @@ OPTIMIZERS: dict[str, OptimizerSpec] = {spec.name: spec for spec in (
         dict(lr=1e-2, weight_decay=0.1, beta2_decay=-0.5, eps=(1e-4, 1e-3), d=2.0),
         dict(lr=1e-2, maximize=True, weight_decay=0.05),
     )),
+    # (Newton-Schulz in the device's fast dtype (bf16 here, where bf16 products are native), and pinned to fp32)
     OptimizerSpec("muon", optimizers.Muon, None, (
         dict(lr=2e-2),
-        dict(lr=2e-2, nesterov=False, momentum=0.9, weight_decay=0.3, adjust_lr_fn="match_rms_adamw"),
-        dict(lr=2e-2, ns_steps=3, ns_coefficients=(2.0, -1.5, 0.5), eps=1e-5, adjust_lr_fn="original"),
+        dict(lr=2e-2, nesterov=False, momentum=0.9, weight_decay=0.3, adjust_lr_fn="match_rms_adamw",
+             ns_dtype="float32"),
+        dict(lr=2e-2, ns_steps=3, ns_coefficients=(2.0, -1.5, 0.5), eps=1e-5, adjust_lr_fn="original",
+             ns_dtype="float32"),
     ), params="matrices"),
     OptimizerSpec("lion", optimizers.Lion, None, (
         dict(lr=1e-3),

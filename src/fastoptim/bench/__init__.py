@@ -1,5 +1,6 @@
 """``fastoptim bench``: optimizer step times, level against level and against peers, in one process."""
 
+from .matmul import gemm_rate, newton_schulz_flops
 from .report import bytes_per_param, markdown, print_tables, to_dict, write_json
 from .runner import PEER_MODES, Row, rows_for, run_workload, time_schedulers
 from .plot import plot
@@ -7,4 +8,4 @@ from .workloads import WORKLOADS, check_workload, numel, parse_count, shapes_for
 
 __all__ = ["PEER_MODES", "Row", "rows_for", "run_workload", "time_schedulers", "WORKLOADS", "check_workload",
            "plot", "numel", "parse_count", "shapes_for", "bytes_per_param", "markdown", "print_tables", "to_dict",
-           "write_json"]
+           "write_json", "gemm_rate", "newton_schulz_flops"]

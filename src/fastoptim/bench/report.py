@@ -19,9 +19,10 @@ GPU_BANDWIDTH = {"H100": 3.35e12, "A100": 2.0e12}
 
 def bytes_per_param(optimizer: str, param_bytes: int = 4, state_bytes: int = 4) -> int:
     """Bytes a memory-bound step moves per param: read p and g, write p; read and write every state."""
+    from .runner import full_size_states
+
     spec = registry.get(optimizer)
-    group = {**spec.cls.rule.defaults, **spec.option_sets[0]}
-    n_state = sum(spec.cls.rule.active(group))
+    n_state = full_size_states(spec, spec.option_sets[0]) + len(spec.cls.rule.scratch)  # (scratch: written, read)
     return 3 * param_bytes + 2 * n_state * state_bytes
 
 
@@ -31,10 +32,19 @@ def ratios(rows: list[Row]) -> tuple[float, float]:
     return floor, fused
 
 
-def to_dict(workload: str, optimizer: str, n_params: int, n_tensors: int, rows: list[Row]) -> dict[str, Any]:
+def to_dict(workload: str, optimizer: str, n_params: int, n_tensors: int, rows: list[Row],
+            matmul: dict | None = None) -> dict[str, Any]:
+    """``matmul``: for Muon, the Newton-Schulz FLOPs per step and the measured GEMM rate on its matrices (each
+    row then gets its achieved rate)."""
     floor, fused = ratios(rows)
     bpp = bytes_per_param(optimizer)
     return {
+        "newton_schulz": None if matmul is None else {
+            **matmul, "rows": {_label(r): {"gflops": matmul["flops_per_step"] / r.median_ms / 1e6,
+                                           "of_gemm_rate": matmul["flops_per_step"] / r.median_ms / 1e6
+                                           / matmul["gemm_gflops"]}
+                               for r in rows if not r.error and r.library in ("fastoptim", "torch")
+                               and r.label != "flat floor"}},
         "workload": workload, "optimizer": optimizer, "params": n_params, "tensors": n_tensors,
         "bytes_per_param": bpp,
         "gpu_estimate_ms": {gpu: bpp * n_params / bw * 1e3 for gpu, bw in GPU_BANDWIDTH.items()},
@@ -91,8 +101,16 @@ HEADERS = ["row", "ms/step", "spread", "x torch fused", "x flat floor", "state M
 
 def title(result: dict) -> str:
     est = ", ".join(f"{gpu} {ms:.3f} ms" for gpu, ms in result["gpu_estimate_ms"].items())
-    return (f"{result['optimizer']} on {result['workload']}: {result['params'] / 1e6:.1f}M params in "
+    text = (f"{result['optimizer']} on {result['workload']}: {result['params'] / 1e6:.1f}M params in "
             f"{result['tensors']} tensors; GPU estimate at {result['bytes_per_param']} B/param: {est}")
+    ns = result.get("newton_schulz")
+    if ns:
+        best = max(ns["rows"].items(), key=lambda kv: kv[1]["gflops"], default=None)
+        text += (f"\nNewton-Schulz {ns['flops_per_step'] / 1e9:.2f} GFLOP/step ({ns['dtype']}); measured GEMM rate on "
+                 f"these matrices {ns['gemm_gflops']:.1f} GFLOP/s")
+        if best:
+            text += f"; best row {best[0]}: {best[1]['gflops']:.1f} GFLOP/s = {best[1]['of_gemm_rate']:.0%} of it"
+    return text
 
 
 SCHEDULER_HEADERS = ["scheduler", "us/step", "spread"]

@@ -16,6 +16,8 @@ from . import workloads
 
 # torch.optim's fused CPU kernels exist for these
 TORCH_FUSED = {"sgd", "adam", "adamw", "adagrad"}
+# torch.optim classes that only step one tensor at a time (no foreach=), where fastoptim's oracle is another
+TORCH_LOOP_ONLY = {"muon": "Muon"}
 
 
 @dataclass
@@ -86,14 +88,18 @@ def rows_for(optimizer: str, impls: list[str], flat_impls: list[str] = (), peers
         rows.append(Row("fastoptim fused + clip_grad_norm_", "fastoptim", "fused",
                         lambda ps: ClipThenStep(spec.cls(ps, impl="fused", **kwargs), clip, clip_grad_norm_)))
 
+    torch_name = spec.reference or TORCH_LOOP_ONLY.get(spec.name)
+
     def torch_row(label, **flags):
-        torch_cls = getattr(torch.optim, spec.reference)
+        torch_cls = getattr(torch.optim, torch_name)
         if clip:
             return Row(f"{label} + clip_grad_norm_", "torch", label.split()[-1], lambda ps: ClipThenStep(
                 torch_cls(ps, **flags, **kwargs), clip, torch.nn.utils.clip_grad_norm_))
         return Row(label, "torch", label.split()[-1], lambda ps: torch_cls(ps, **flags, **kwargs))
 
-    if peers != "none" and spec.reference is not None:
+    if peers != "none" and spec.name in TORCH_LOOP_ONLY:
+        rows.append(torch_row("torch loop"))
+    elif peers != "none" and spec.reference is not None:
         rows += [torch_row("torch loop", foreach=False), torch_row("torch foreach", foreach=True)]
         if spec.name in TORCH_FUSED:
             rows.append(torch_row("torch fused", fused=True))
@@ -132,11 +138,19 @@ def floor_row(spec, kwargs: dict) -> Row:
     if spec.name in TORCH_FUSED:
         cls, floor_kwargs, what = getattr(torch.optim, spec.reference), kwargs, spec.reference
     else:
-        rule = spec.cls.rule
-        n_states = sum(rule.active({**rule.defaults, **kwargs}))
+        n_states = full_size_states(spec, kwargs)
         name, floor_kwargs = _SAME_BYTES[n_states]
         cls, what = getattr(torch.optim, name), f"{name}{floor_kwargs or ''} (same bytes)"
     return Row("flat floor", "torch", f"fused {what}", lambda ps: cls(ps, fused=True, **floor_kwargs), flat=True)
+
+
+def full_size_states(spec, kwargs: dict) -> int:
+    """How many param-sized states the optimizer keeps for a large matrix (Adafactor's factored ones are not)."""
+    rule = spec.cls.rule
+    matrix = torch.empty(1024, 1024, device="meta")
+    group = {**rule.defaults, **kwargs}
+    return sum(on and rule.state_shape(name, matrix) == (1024, 1024)
+               for name, on in zip(rule.state_names, rule.active(group)))
 
 
 def _state_values(state):

@@ -101,13 +101,21 @@ def _run(args: argparse.Namespace) -> int:
             shapes = shapes[:400]  # 200 layers
         for optimizer in args.optimizer:
             rows = bench.rows_for(optimizer, args.impl, args.flat, args.peers, args.clip, tuple(args.state_bits))
-            jobs.append((workload, optimizer, shapes, rows))
+            taken = shapes
+            if registry.get(optimizer).params == "matrices":  # Muon steps the workload's matrices
+                taken = [s for s in shapes if len(s) == 2]
+                if not taken:
+                    print(f"fastoptim bench: {optimizer} steps matrices; workload {workload} has none",
+                          file=sys.stderr)
+                    return 2
+            jobs.append((workload, optimizer, taken, rows))
     total = sum(len(rows) * (1 + args.rounds) for *_, rows in jobs)
     results = []
     with _progress(total) as advance:
         for workload, optimizer, shapes, rows in jobs:
             bench.run_workload(shapes, rows, args.rounds, args.steps, args.warmup, advance, device)
-            results.append(bench.to_dict(workload, optimizer, bench.numel(shapes), len(shapes), rows))
+            results.append(bench.to_dict(workload, optimizer, bench.numel(shapes), len(shapes), rows,
+                                         _matmul(optimizer, shapes, device)))
     schedulers = None if args.no_schedulers else bench.time_schedulers(rounds=3 if args.quick else 7)
     bench.print_tables(results, schedulers)
     config = {k: v for k, v in vars(args).items() if k != "func"} | {"device": device}
@@ -119,6 +127,20 @@ def _run(args: argparse.Namespace) -> int:
     if args.plot:
         bench.plot(results, args.plot)
     return 0
+
+
+def _matmul(optimizer: str, shapes: list, device: str) -> dict | None:
+    """For Muon: Newton-Schulz FLOPs per step and the GEMM rate on the same matrices, measured now (the dtype
+    ``ns_dtype=None`` picks on ``device``)."""
+    spec = registry.get(optimizer)
+    if spec.name != "muon":
+        return None
+    steps = spec.option_sets[0].get("ns_steps", spec.cls.rule.defaults["ns_steps"])
+    from ..rules.muon import fast_matmul_dtype
+
+    dtype = fast_matmul_dtype(torch.device(device).type)
+    return {"flops_per_step": bench.newton_schulz_flops(shapes, steps), "dtype": str(dtype).replace("torch.", ""),
+            "gemm_gflops": bench.gemm_rate(shapes, dtype, device) / 1e9}
 
 
 class _progress:

@@ -9,7 +9,8 @@
   back; a matrix product chain costs far more than that.
 
 Grads are scaled (GradScaler, clipping) once, into temporaries, before the first stage. Scratch tensors live in
-the bucket's cache: the step plan makes a new bucket (and cache) whenever a param's layout changes.
+the bucket's cache (the step plan makes a new bucket, and cache, whenever a param's layout changes), one buffer
+per shape group: a per-tensor stage takes a group's scratch as it is, with no stacking copy.
 """
 
 from __future__ import annotations
@@ -38,12 +39,22 @@ def stage_rule(rule, index: int) -> StageRule:
     return StageRule(rule, index, rule.stages[index])
 
 
-def _scratch(bucket: Bucket, names: tuple[str, ...]) -> dict[str, list[Tensor]]:
+def _scratch(bucket: Bucket, names: tuple[str, ...]) -> tuple[dict[str, list[Tensor]], dict[tuple, Tensor]]:
+    """Per scratch name, one tensor per param (views of one buffer per shape group), and those buffers by
+    (name, the group's indices)."""
     made = bucket.cache.get("stage_scratch")
     if made is None or any(t.shape != p.shape or t.dtype != p.dtype or t.device != p.device
-                           for t, p in zip(made[names[0]] if names else (), bucket.params)):
-        made = bucket.cache["stage_scratch"] = {
-            name: [torch.empty(p.shape, dtype=p.dtype, device=p.device) for p in bucket.params] for name in names}
+                           for t, p in zip(made[0][names[0]] if names else (), bucket.params)):
+        views: dict[str, list] = {name: [None] * len(bucket.params) for name in names}
+        buffers = {}
+        for members in shape_groups({"param": bucket.params}, ("param",)):
+            p = bucket.params[members[0]]
+            for name in names:
+                buffers[name, tuple(members)] = buffer = torch.empty((len(members), *p.shape), dtype=p.dtype,
+                                                                     device=p.device)
+                for i, view in zip(members, buffer.unbind(0)):
+                    views[name][i] = view
+        made = bucket.cache["stage_scratch"] = (views, buffers)
     return made
 
 
@@ -53,14 +64,15 @@ def run(impl: str, rule, bucket: Bucket, group: dict, step: int, scalars: tuple,
     params = bucket.params
     tensors: dict[str, list | None] = {"param": params, "grad": scaled_grads(bucket.grads, grad_mul)}
     tensors.update(zip(rule.state_names, bucket.states))
-    tensors.update(_scratch(bucket, rule.scratch))
+    scratch, stacked = _scratch(bucket, rule.scratch)
+    tensors.update(scratch)
     for index, stage in enumerate(rule.stages):
         if hasattr(stage, "update"):
             lists = [tensors[name] for name in stage.tensors]
             part = Bucket(params, tensors["grad"], lists, bucket.cache.setdefault(("stage", index), {}))
             level(impl, bucket.device)(stage_rule(rule, index), part, group, step, scalars, flags)
         else:
-            _per_tensor(impl, stage, tensors, scalars, flags)
+            _per_tensor(impl, stage, tensors, stacked, scalars, flags)
 
 
 def shape_groups(tensors: dict[str, list | None], names: tuple[str, ...]) -> list[list[int]]:
@@ -72,7 +84,7 @@ def shape_groups(tensors: dict[str, list | None], names: tuple[str, ...]) -> lis
     return list(groups.values())
 
 
-def _per_tensor(impl: str, stage, tensors: dict, scalars: tuple, flags: tuple) -> None:
+def _per_tensor(impl: str, stage, tensors: dict, stacked: dict, scalars: tuple, flags: tuple) -> None:
     n = len(tensors["param"])
     if impl == "loop":
         took("stage_loop")
@@ -84,7 +96,8 @@ def _per_tensor(impl: str, stage, tensors: dict, scalars: tuple, flags: tuple) -
     if impl == "compiled":
         fn = _compiled(stage.fn, flags, len(scalars))
     for members in groups:
-        batch = [None if tensors[name] is None else _stack([tensors[name][i] for i in members])
+        batch = [None if tensors[name] is None else stacked.get((name, tuple(members)))
+                 if (name, tuple(members)) in stacked else _stack([tensors[name][i] for i in members])
                  for name in stage.reads]
         if impl == "compiled":
             out = fn(batch, pack_scalars(scalars, tensors["param"][members[0]].device,
@@ -95,7 +108,9 @@ def _per_tensor(impl: str, stage, tensors: dict, scalars: tuple, flags: tuple) -
             if tensors[name] is None:
                 continue
             targets = [tensors[name][i] for i in members]
-            if len(targets) == 1:
+            if (name, tuple(members)) in stacked:
+                stacked[name, tuple(members)].copy_(new)
+            elif len(targets) == 1:
                 targets[0].copy_(new[0])
             else:
                 torch._foreach_copy_(targets, list(new.unbind(0)))
@@ -112,4 +127,4 @@ def _compiled(fn: Callable, flags: tuple, n_scalars: int) -> Callable:
     def stage(batch: list, scalars: Tensor):
         return fn(*batch, *scalars.unbind(0), *flags)
     stage.__code__ = stage.__code__.replace(co_name=f"{fn.__name__}_stage")
-    return torch.compile(stage, fullgraph=True)
+    return torch.compile(stage)  # (a stage may keep a part eager: ``torch.compiler.disable``)

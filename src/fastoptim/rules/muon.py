@@ -8,14 +8,16 @@ r"""Muon: momentum orthogonalised by Newton-Schulz (Jordan et al. 2024; the upda
     O <- X (transposed back)
     p <- p (1 - lr wd) - lr r O,   r = sqrt(max(1, rows/cols)) ("original") or 0.2 sqrt(max(rows, cols))
 
-torch runs Newton-Schulz in bf16. Here it runs in ``ns_dtype``: None picks bf16 on CUDA, where its matrix
-units make it fast, and fp32 elsewhere (on a CPU bf16 products are far slower: measured in the README). A param
+torch runs Newton-Schulz in bf16. Here it runs in ``ns_dtype``: None picks what multiplies fast on the device
+(``fast_matmul_dtype``): bf16 on CUDA and on CPUs with bf16 matrix instructions (AVX512-BF16, AMX), fp32 on
+other CPUs, where bf16 products are emulated and far slower (measured in the README). A param
 group with ``use_muon=False`` is stepped by AdamW with the group's lr, betas, eps and weight_decay (the usual
 recipe: AdamW for embeddings, the output head and 1-D params; ``fastoptim.create(model, "muon")``).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -45,14 +47,28 @@ def lr_ratio(rows: int, cols: int, adjust_lr_fn: str | None) -> float:
     return math.sqrt(max(1, rows / cols))
 
 
+@functools.lru_cache(maxsize=None)
+def fast_matmul_dtype(device_type: str) -> torch.dtype:
+    """bf16 where the device multiplies bf16 matrices natively, else fp32. A fixed property of the machine (not
+    a timing), so a run and its resume always take the same precision."""
+    if device_type == "cuda":
+        return torch.bfloat16
+    if device_type == "cpu":
+        try:
+            return torch.bfloat16 if torch.ops.mkldnn._is_mkldnn_bf16_supported() else torch.float32
+        except (AttributeError, RuntimeError):
+            return torch.float32
+    return torch.float32
+
+
+@torch.compiler.disable  # the chain is library GEMM calls either way; compiled, Inductor would round bf16 its own way
 def newton_schulz(x, coefficients: tuple, eps, steps: int, dtype):
     """The orthogonalisation of each matrix of the batch ``x`` (n, rows, cols), in ``dtype``, with torch's
     operations (``baddbmm`` is ``addmm`` batched: the scaling and the sum in the product's own pass)."""
     a, b, c = coefficients
     wide = x.shape[-2] <= x.shape[-1]
-    x = x.to(dtype)
-    if not wide:
-        x = x.mT
+    # one pass converts and lays a tall matrix out transposed: products of strided operands would copy each time
+    x = (x if wide else x.mT).to(dtype, memory_format=torch.contiguous_format)
     x = x / x.norm(dim=(-2, -1), keepdim=True).clamp(min=eps)
     for _ in range(steps):
         gram = x @ x.mT
@@ -60,13 +76,18 @@ def newton_schulz(x, coefficients: tuple, eps, steps: int, dtype):
     return x if wide else x.mT
 
 
-def muon_orthogonalise(param, update, eps, lr, decay_factor, one_minus_momentum, momentum,
+def muon_orthogonalise(update, eps, lr, decay_factor, one_minus_momentum, momentum,
                        NESTEROV, NS_COEFFICIENTS, NS_STEPS, NS_DTYPE, ADJUST_LR_FN):
-    rows, cols = param.shape[-2:]
-    dtype = NS_DTYPE or (torch.bfloat16 if param.is_cuda else param.dtype)  # what is fast on the device
-    out = newton_schulz(update, NS_COEFFICIENTS, eps, NS_STEPS, dtype)
-    adjusted_lr = lr * lr_ratio(rows, cols, ADJUST_LR_FN)
-    return (param * decay_factor - out.to(param.dtype) * adjusted_lr,)
+    """The orthogonalised update times the shape's lr ratio (in the update's dtype; 1 needs no pass)."""
+    out = newton_schulz(update, NS_COEFFICIENTS, eps, NS_STEPS, NS_DTYPE or fast_matmul_dtype(update.device.type))
+    ratio = lr_ratio(*update.shape[-2:], ADJUST_LR_FN)
+    return (out if ratio == 1 else out.to(update.dtype) * ratio,)
+
+
+def muon_apply(p, g, update, eps, lr, decay_factor, one_minus_momentum, momentum,
+               NESTEROV, NS_COEFFICIENTS, NS_STEPS, NS_DTYPE, ADJUST_LR_FN):
+    p = p * decay_factor - update * lr
+    return p, update
 
 
 class MuonRule(Rule):
@@ -78,7 +99,8 @@ class MuonRule(Rule):
     exports_step = False  # torch.optim.Muon keeps no step count
     scratch = ("update",)
     stages = (Elementwise(muon_momentum, ("momentum_buffer", "update")),
-              PerTensor(muon_orthogonalise, ("param", "update"), ("param",)))
+              PerTensor(muon_orthogonalise, ("update",), ("update",)),
+              Elementwise(muon_apply, ("update",)))
     adamw = AdamRule(decoupled=True)
 
     def for_group(self, group):
