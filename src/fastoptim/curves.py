@@ -23,9 +23,14 @@ from dataclasses import dataclass, field
 import torch
 
 from . import data, levels, registry, storage
-from .reference import reference_class, reference_kwargs
+from .factory import create
+from .reference import ReferenceMuonRecipe, reference_class, reference_kwargs
 
-LEARNING_RATES = {"sgd": 0.1, "adam": 3e-3, "adamw": 3e-3, "rmsprop": 1e-3, "adagrad": 0.05, "lion": 3e-4}
+LEARNING_RATES = {"sgd": 0.1, "adam": 3e-3, "adamw": 3e-3, "rmsprop": 1e-3, "adagrad": 0.05, "lion": 3e-4,
+                  "adamax": 3e-3, "adadelta": 1.0, "radam": 3e-3, "nadam": 3e-3, "rprop": 1e-3, "asgd": 0.05,
+                  "adafactor": 1e-2, "muon": 0.02}
+# Muon's recipe steps the embedding, the output head and 1-D params with AdamW at this lr (``muon_groups``)
+MUON_ADAMW_LR = 3e-3
 
 
 class ByteMLP(torch.nn.Module):
@@ -66,6 +71,8 @@ def references(spec: registry.OptimizerSpec) -> list[tuple[str, dict]]:
     """(label, extra constructor arguments) of the reference runs, the exactness oracle first."""
     if spec.reference is not None:
         return [("torch", reference_kwargs(spec))]
+    if spec.params == "matrices":  # Muon: torch.optim.Muon's loop (Newton-Schulz in our dtype) and torch's AdamW
+        return [("torch", {})]
     return [(EXACT_REFERENCE, {"compute_dtype": None}), (FP64_REFERENCE, {"compute_dtype": torch.float64})]
 
 
@@ -132,20 +139,31 @@ def run(optimizers: list[str], impls: list[str], flat_impls: list[str], steps: i
     for name in optimizers:
         spec = registry.get(name)
         kwargs = _optimizer_kwargs(name, lr)
-        ref_cls = reference_class(spec)
         for label, extra in references(spec):
             curves.append(Curve(name, label, train(
-                name, lambda m, extra=extra: ref_cls(m.parameters(), **kwargs, **extra), steps, seed), reference=True))
+                name, lambda m, extra=extra: _reference(spec, m, kwargs, extra), steps, seed), reference=True))
             progress()
         for r in precision_runs(impls, flat_impls, state_bits, roundings):
             settings = dict(impl=r["impl"], flat=r["flat"], state_bits=r["state_bits"], rounding=r["rounding"])
             with levels.own_paths():  # each row is the level it names, not the path it would route to
-                losses = train(name, lambda m, settings=settings: spec.cls(m.parameters(), **settings, **kwargs),
+                losses = train(name, lambda m, settings=settings: _ours(spec, m, settings, kwargs),
                                steps, seed, param_dtype=PARAM_DTYPES[r["params"]])
             curves.append(Curve(name, _run_label(r), losses, level=r["level"], state_bits=r["state_bits"],
                                 params=r["params"], rounding=r["rounding"]))
             progress()
     return curves
+
+
+def _ours(spec, model, settings: dict, kwargs: dict):
+    if spec.params == "matrices":  # Muon: its recipe, AdamW for what is not a hidden matrix
+        return create(model, spec.name, adamw_lr=MUON_ADAMW_LR, **settings, **kwargs)
+    return spec.cls(model.parameters(), **settings, **kwargs)
+
+
+def _reference(spec, model, kwargs: dict, extra: dict):
+    if spec.params == "matrices":
+        return ReferenceMuonRecipe(model, adamw_lr=MUON_ADAMW_LR, **kwargs)
+    return reference_class(spec)(model.parameters(), **kwargs, **extra)
 
 
 def _max_diff(a: Curve, b: Curve) -> float:

@@ -86,6 +86,31 @@ class ReferenceMuon(torch.optim.Muon):
                 p.add_(x, alpha=-_adjust_lr(group["lr"], group["adjust_lr_fn"], p.shape))
 
 
+class ReferenceMuonRecipe:
+    """The Muon recipe (``fastoptim.factory.muon_groups``) with the oracles: ``ReferenceMuon`` for the hidden
+    matrices, torch's AdamW (single-tensor) for each other group. Takes a model, as ``fastoptim.create`` does."""
+
+    def __init__(self, model, lr=1e-3, adamw_lr=3e-4, adamw_betas=(0.9, 0.95), adamw_eps=1e-8,
+                 weight_decay=0.1, **muon_kwargs):
+        from fastoptim.factory import muon_groups
+
+        self.optimizers = []
+        for group in muon_groups(model, weight_decay, adamw_lr, adamw_betas, adamw_eps):
+            params = group.pop("params")
+            if group.pop("use_muon", True):
+                self.optimizers.append(ReferenceMuon(params, lr=lr, **group, **muon_kwargs))
+            else:
+                self.optimizers.append(torch.optim.AdamW(params, **group, foreach=False))
+
+    def zero_grad(self):
+        for opt in self.optimizers:
+            opt.zero_grad()
+
+    def step(self):
+        for opt in self.optimizers:
+            opt.step()
+
+
 def reference_class(spec: OptimizerSpec):
     if spec.reference is None:
         return {"lion": ReferenceLion, "muon": ReferenceMuon}[spec.name]
