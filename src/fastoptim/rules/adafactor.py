@@ -46,9 +46,10 @@ def adafactor_step(param, grad, row_var, col_var, variance,
     else:
         variance = torch.lerp(variance, g * g, one_minus_beta2_t)
         var_estimate = variance
-    update = var_estimate.clamp(min=eps1 * eps1).rsqrt() * g
+    # in place on this function's own temporaries only (a stage never writes into its arguments)
+    update = var_estimate.clamp(min=eps1 * eps1).rsqrt_().mul_(g)
     denom = torch.clamp(_rms(update) / d, min=1.0)
-    param = param + update * (-alpha / denom).to(param.dtype)
+    param = update.mul_((-alpha / denom).to(param.dtype)).add_(param)  # param + (-alpha / denom) update
     return param, row_var, col_var, variance
 
 

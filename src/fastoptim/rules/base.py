@@ -49,7 +49,8 @@ class PerTensor:
     """``fn(*reads, *scalars, *FLAGS) -> writes``: torch ops on a batch, each argument ``n`` same-shape tensors
     stacked on a new leading dim (``n = 1`` on the loop level), so the math reduces and multiplies over dims 1
     and up only. ``reads`` and ``writes`` name "param", "grad", states and scratch tensors; an inactive state
-    comes as None."""
+    comes as None. ``fn`` never writes into its arguments (they may be the user's tensors); it may write in place
+    into temporaries it made itself."""
     fn: Callable[..., tuple]
     reads: tuple[str, ...]
     writes: tuple[str, ...]
