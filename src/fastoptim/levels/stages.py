@@ -8,6 +8,8 @@
   them (the compiled level compiles it). The stacking costs one copy of what the stage reads and writes
   back; a matrix product chain costs far more than that.
 
+On sharded params (FSDP2) a per-tensor stage runs each whole tensor on one rank (``sharded``).
+
 Grads are scaled (GradScaler, clipping) once, into temporaries, before the first stage. Scratch tensors live in
 the bucket's cache: the step plan makes a new bucket (and cache) whenever a param's layout changes.
 """
@@ -20,7 +22,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from . import Bucket, level, pack_scalars, scaled_grads, took
+from . import Bucket, level, pack_scalars, scaled_grads, sharded, took
 
 
 class StageRule:
@@ -59,6 +61,8 @@ def run(impl: str, rule, bucket: Bucket, group: dict, step: int, scalars: tuple,
             lists = [tensors[name] for name in stage.tensors]
             part = Bucket(params, tensors["grad"], lists, bucket.cache.setdefault(("stage", index), {}))
             level(impl, bucket.device)(stage_rule(rule, index), part, group, step, scalars, flags)
+        elif bucket.sharded is not None:
+            sharded.per_tensor(impl, stage, tensors, scalars, flags, bucket.sharded, _per_tensor)
         else:
             _per_tensor(impl, stage, tensors, scalars, flags)
 
