@@ -60,13 +60,21 @@ def newton_schulz(x, coefficients: tuple, eps, steps: int, dtype):
     return x if wide else x.mT
 
 
-def muon_orthogonalise(param, update, eps, lr, decay_factor, one_minus_momentum, momentum,
+def muon_orthogonalise(update, eps, lr, decay_factor, one_minus_momentum, momentum,
                        NESTEROV, NS_COEFFICIENTS, NS_STEPS, NS_DTYPE, ADJUST_LR_FN):
-    rows, cols = param.shape[-2:]
-    dtype = NS_DTYPE or (torch.bfloat16 if param.is_cuda else param.dtype)  # what is fast on the device
+    """``update`` <- its orthogonalisation times the shape's lr. It reads and writes ``update`` only, so on
+    sharded params only that tensor travels to the rank that owns the matrix, and back; the param steps on its
+    shard (``muon_apply``)."""
+    rows, cols = update.shape[-2:]
+    dtype = NS_DTYPE or (torch.bfloat16 if update.is_cuda else update.dtype)  # what is fast on the device
     out = newton_schulz(update, NS_COEFFICIENTS, eps, NS_STEPS, dtype)
-    adjusted_lr = lr * lr_ratio(rows, cols, ADJUST_LR_FN)
-    return (param * decay_factor - out.to(param.dtype) * adjusted_lr,)
+    return (out.to(update.dtype) * (lr * lr_ratio(rows, cols, ADJUST_LR_FN)),)
+
+
+def muon_apply(p, g, update,
+               eps, lr, decay_factor, one_minus_momentum, momentum,
+               NESTEROV, NS_COEFFICIENTS, NS_STEPS, NS_DTYPE, ADJUST_LR_FN):
+    return p * decay_factor - update, update
 
 
 class MuonRule(Rule):
@@ -78,7 +86,8 @@ class MuonRule(Rule):
     exports_step = False  # torch.optim.Muon keeps no step count
     scratch = ("update",)
     stages = (Elementwise(muon_momentum, ("momentum_buffer", "update")),
-              PerTensor(muon_orthogonalise, ("param", "update"), ("param",)))
+              PerTensor(muon_orthogonalise, ("update",), ("update",)),
+              Elementwise(muon_apply, ("update",)))
     adamw = AdamRule(decoupled=True)
 
     def for_group(self, group):
