@@ -89,6 +89,14 @@ def muon_checks(result):
         result["adafactor fsdp2 refused"] = ""
     except NotImplementedError as e:
         result["adafactor fsdp2 refused"] = str(e)
+    from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    by_columns = torch.nn.Parameter(distribute_tensor(torch.randn(8, 6), mesh, [Shard(1)]))
+    try:
+        fastoptim.Muon([by_columns])
+        result["muon shard(1) refused"] = ""
+    except NotImplementedError as e:
+        result["muon shard(1) refused"] = str(e)
 
 
 def shard(net):

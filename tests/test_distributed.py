@@ -88,6 +88,11 @@ def test_fsdp2_adafactor_refuses_factored_states_of_sharded_params(dist_results)
     assert "'row_var'" in message and "sharded" in message, message
 
 
+def test_muon_refuses_params_sharded_other_than_by_rows(dist_results):
+    message = dist_results["muon shard(1) refused"]
+    assert "Shard(dim=1)" in message and "Shard(0) on a 1-D mesh" in message, message
+
+
 def test_row_split_is_torch_chunk_and_owners_balance_the_work():
     """DTensor splits Shard(0) as torch.chunk does (the worker checks every local shard against it)."""
     from fastoptim.levels.sharded import assign, row_split

@@ -29,7 +29,7 @@ from torch import Tensor
 
 from . import clip, levels, plan, storage
 from .flat import FlatBucket
-from .levels import Bucket, is_dtensor, stages
+from .levels import Bucket, is_dtensor, sharded, stages
 from .rules import Rule
 
 
@@ -142,8 +142,7 @@ class FastOptimizer(torch.optim.Optimizer):
             if why:
                 raise ValueError(why)
         for p in params:  # a per-tensor stage on sharded params gathers each whole param-shaped tensor, only those
-            if rule.stages and isinstance(p, Tensor) and is_dtensor(p) and not all(
-                    type(pl).__name__ == "Replicate" for pl in p.placements):
+            if rule.stages and isinstance(p, Tensor) and is_dtensor(p) and sharded.shard_dim0(p):
                 for n in rule.state_names:
                     shape = rule.state_shape(n, p)
                     if shape not in (None, tuple(p.shape)):

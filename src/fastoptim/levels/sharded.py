@@ -26,7 +26,7 @@ from torch import Tensor
 from . import is_dtensor
 
 
-def _shard_dim0(owner) -> bool | None:
+def shard_dim0(owner) -> bool:
     """True: sharded on dim 0 over a 1-D mesh (what this module handles); False: whole on every rank
     (Replicate); raises for any other layout, rather than run a per-tensor stage on part of a tensor."""
     placements = owner.placements
@@ -77,7 +77,7 @@ def per_tensor(impl: str, stage, tensors: dict, scalars: tuple, flags: tuple, ow
     meshes: dict = {}
     whole = []
     for i, owner in enumerate(owners):
-        if is_dtensor(owner) and _shard_dim0(owner):
+        if is_dtensor(owner) and shard_dim0(owner):
             meshes.setdefault(owner.device_mesh, []).append(i)
         else:
             whole.append(i)
