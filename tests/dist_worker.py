@@ -48,7 +48,7 @@ def max_diff(params, reference):
 
 def muon_checks(result):
     """Muon under FSDP2 against one process at every level; which rank ran Newton-Schulz on which matrix;
-    Adafactor's factored states refused on sharded params."""
+    Adafactor on sharded vectors against one process, and its factored states refused on sharded matrices."""
     for impl in ("loop", "foreach", "fused", "compiled"):
         single = muon_model()
         reference = train(single, muon(single, impl=impl))
@@ -83,6 +83,17 @@ def muon_checks(result):
             result[f"muon ns calls {impl}"] = ranks
     finally:
         muon_rule.newton_schulz = real
+    def vectors(net):  # Adafactor's per-tensor step on 1-D params: its states are param-shaped, gathered as they are
+        for p in net.parameters():
+            p.requires_grad_(p.dim() == 1)
+        return net
+
+    for impl in ("loop", "fused", "compiled"):
+        single = vectors(muon_model())
+        reference = train(single, fastoptim.Adafactor([p for p in single.parameters() if p.requires_grad], impl=impl))
+        net = shard(vectors(muon_model()))
+        params = train(net, fastoptim.Adafactor([p for p in net.parameters() if p.requires_grad], impl=impl))
+        result[f"adafactor fsdp2 vectors {impl}"] = max_diff(params, reference)
     net = shard(muon_model())
     try:
         fastoptim.Adafactor(net.parameters())

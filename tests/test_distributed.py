@@ -83,6 +83,12 @@ def test_fsdp2_muon_orthogonalises_each_whole_matrix_on_exactly_one_rank(dist_re
     assert sorted(ranks) == [[[1, 8], [8, 8], [8, 8], [8, 33]], [[33, 16]]]
 
 
+@pytest.mark.parametrize("impl", ["loop", "fused", "compiled"])
+def test_fsdp2_adafactor_on_vectors_matches_one_process_bit_for_bit(dist_results, impl):
+    """Adafactor's step on 1-D params (its rms over each whole tensor): gathered like Muon's matrices."""
+    assert dist_results[f"adafactor fsdp2 vectors {impl}"] == 0.0
+
+
 def test_fsdp2_adafactor_refuses_factored_states_of_sharded_params(dist_results):
     message = dist_results["adafactor fsdp2 refused"]
     assert "'row_var'" in message and "sharded" in message, message
