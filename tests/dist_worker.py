@@ -25,6 +25,91 @@ def wide_model():
                                torch.nn.Linear(7, 300))
 
 
+def muon_model(biases=False):
+    """Matrices tall with rows that split unevenly over 2 ranks (33 x 16: 17 + 16 rows), wide (8 x 33), two of
+    one shape (8 x 8: one batch on one process) and one row (1 x 8: rank 1's shard is empty). The biases train
+    only with ``biases``: Muon alone steps the rest bit-identically on any ranks, whereas AdamW's elementwise
+    kernels round a few elements differently on the shards' shapes (the fsdp2 tests above)."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(16, 33), torch.nn.Tanh(), torch.nn.Linear(33, 8),
+                              torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 8), torch.nn.Linear(8, 1))
+    for p in net.parameters():
+        p.requires_grad_(biases or p.dim() == 2)
+    return net
+
+
+def muon(net, **kwargs):
+    return fastoptim.Muon([p for p in net.parameters() if p.requires_grad], lr=0.02, **kwargs)
+
+
+def max_diff(params, reference):
+    return max((a.float() - b.float()).abs().max().item() for a, b in zip(params, reference))
+
+
+def muon_checks(result):
+    """Muon under FSDP2 against one process at every level; which rank ran Newton-Schulz on which matrix;
+    Adafactor on sharded vectors against one process, and its factored states refused on sharded matrices."""
+    for impl in ("loop", "foreach", "fused", "compiled"):
+        single = muon_model()
+        reference = train(single, muon(single, impl=impl))
+        net = shard(muon_model())
+        result[f"muon fsdp2 {impl}"] = max_diff(train(net, muon(net, impl=impl)), reference)
+    low = dict(impl="fused", state_bits=8, min_quant_size=0)
+    single = muon_model()
+    reference = train(single, muon(single, **low))
+    net = shard(muon_model())
+    result["muon fsdp2 fused 8-bit"] = max_diff(train(net, muon(net, **low)), reference)
+    single = muon_model(biases=True)  # the recipe: AdamW (use_muon=False) for the biases
+    reference = train(single, fastoptim.create(single, "muon", lr=0.02, adamw_lr=1e-2))
+    net = shard(muon_model(biases=True))
+    result["muon recipe fsdp2"] = max_diff(train(net, fastoptim.create(net, "muon", lr=0.02, adamw_lr=1e-2)),
+                                           reference)
+    # each rank's Newton-Schulz calls: the shape of every matrix it orthogonalised, over one step
+    from fastoptim.rules import muon as muon_rule
+    real, seen = muon_rule.newton_schulz, []
+
+    def counting(x, *args):
+        seen.extend([tuple(x.shape[1:])] * x.shape[0])
+        return real(x, *args)
+
+    muon_rule.newton_schulz = counting
+    try:
+        for impl in ("loop", "fused"):
+            seen.clear()
+            net = shard(muon_model())
+            train(net, muon(net, impl=impl), steps=1)
+            ranks = [None] * dist.get_world_size()
+            dist.all_gather_object(ranks, sorted(seen))
+            result[f"muon ns calls {impl}"] = ranks
+    finally:
+        muon_rule.newton_schulz = real
+    def vectors(net):  # Adafactor's per-tensor step on 1-D params: its states are param-shaped, gathered as they are
+        for p in net.parameters():
+            p.requires_grad_(p.dim() == 1)
+        return net
+
+    for impl in ("loop", "fused", "compiled"):
+        single = vectors(muon_model())
+        reference = train(single, fastoptim.Adafactor([p for p in single.parameters() if p.requires_grad], impl=impl))
+        net = shard(vectors(muon_model()))
+        params = train(net, fastoptim.Adafactor([p for p in net.parameters() if p.requires_grad], impl=impl))
+        result[f"adafactor fsdp2 vectors {impl}"] = max_diff(params, reference)
+    net = shard(muon_model())
+    try:
+        fastoptim.Adafactor(net.parameters())
+        result["adafactor fsdp2 refused"] = ""
+    except NotImplementedError as e:
+        result["adafactor fsdp2 refused"] = str(e)
+    from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    by_columns = torch.nn.Parameter(distribute_tensor(torch.randn(8, 6), mesh, [Shard(1)]))
+    try:
+        fastoptim.Muon([by_columns])
+        result["muon shard(1) refused"] = ""
+    except NotImplementedError as e:
+        result["muon shard(1) refused"] = str(e)
+
+
 def shard(net):
     for layer in net:
         if isinstance(layer, torch.nn.Linear):
@@ -85,6 +170,7 @@ def main(out_path):
             params = train(net, fastoptim.AdamW(net.parameters(), impl=impl, **low), dtype=torch.bfloat16)
             result[f"fsdp2 {impl} bf16 {rounding}"] = max((a.float() - b.float()).abs().max().item()
                                                           for a, b in zip(params, reference))
+    muon_checks(result)
     if dist.get_rank() == 0:
         with open(out_path, "w") as f:
             json.dump(result, f)

@@ -58,6 +58,57 @@ def test_fsdp2_with_bf16_params_rounded_matches_one_process(dist_results, impl, 
     assert dist_results[f"fsdp2 {impl} bf16 {rounding}"] == 0.0
 
 
+@pytest.mark.parametrize("impl", ["loop", "foreach", "fused", "compiled"])
+def test_fsdp2_muon_matches_one_process_bit_for_bit(dist_results, impl):
+    """Each whole matrix is gathered on one rank, which runs the same (batched) Newton-Schulz on it as one
+    process does: tall, wide, rows uneven over the ranks, a shard empty on one rank, two of one shape."""
+    assert dist_results[f"muon fsdp2 {impl}"] == 0.0
+
+
+def test_fsdp2_muon_with_8bit_momentum_matches_one_process_bit_for_bit(dist_results):
+    assert dist_results["muon fsdp2 fused 8-bit"] == 0.0
+
+
+def test_fsdp2_muon_recipe_matches_one_process(dist_results):
+    """create(model, "muon"): Muon for the matrices, AdamW for the biases, whose elementwise kernels round a few
+    elements differently on the shards' shapes (as in test_fsdp2_matches_one_process)."""
+    assert dist_results["muon recipe fsdp2"] < 1e-6
+
+
+@pytest.mark.parametrize("impl", ["loop", "fused"])
+def test_fsdp2_muon_orthogonalises_each_whole_matrix_on_exactly_one_rank(dist_results, impl):
+    ranks = dist_results[f"muon ns calls {impl}"]  # per rank: the shape of each matrix it ran Newton-Schulz on
+    assert sorted(shape for rank in ranks for shape in rank) == [[1, 8], [8, 8], [8, 8], [8, 33], [33, 16]]
+    # the costliest matrix (33 x 16) alone on one rank, the rest on the other
+    assert sorted(ranks) == [[[1, 8], [8, 8], [8, 8], [8, 33]], [[33, 16]]]
+
+
+@pytest.mark.parametrize("impl", ["loop", "fused", "compiled"])
+def test_fsdp2_adafactor_on_vectors_matches_one_process_bit_for_bit(dist_results, impl):
+    """Adafactor's step on 1-D params (its rms over each whole tensor): gathered like Muon's matrices."""
+    assert dist_results[f"adafactor fsdp2 vectors {impl}"] == 0.0
+
+
+def test_fsdp2_adafactor_refuses_factored_states_of_sharded_params(dist_results):
+    message = dist_results["adafactor fsdp2 refused"]
+    assert "'row_var'" in message and "sharded" in message, message
+
+
+def test_muon_refuses_params_sharded_other_than_by_rows(dist_results):
+    message = dist_results["muon shard(1) refused"]
+    assert "Shard(dim=1)" in message and "Shard(0) on a 1-D mesh" in message, message
+
+
+def test_row_split_is_torch_chunk_and_owners_balance_the_work():
+    """DTensor splits Shard(0) as torch.chunk does (the worker checks every local shard against it)."""
+    from fastoptim.levels.sharded import assign, row_split
+    for rows in (0, 1, 7, 33, 64):
+        for world in (1, 2, 3, 8):
+            assert row_split(rows, world) == [len(c) for c in torch.arange(rows).chunk(world)] + \
+                [0] * (world - len(torch.arange(rows).chunk(world)))
+    assert assign([(8, 8), (64, 64), (8, 8), (32, 64)], 2) == [1, 0, 1, 1]
+
+
 def without_timings(log):
     return [{k: v for k, v in e.items() if k != "tokens_per_s"} for e in log]
 
@@ -127,6 +178,24 @@ def test_train_fsdp2_checkpoints_through_dcp_and_resumes_exactly(tmp_path):
     assert sorted(os.listdir(tmp_path / "b")) == sorted(["ckpt.pt", ckpt["dcp"]])
     losses = [[e["loss"] for e in json.loads((tmp_path / f"{r}.json").read_text())["log"]] for r in "ab"]
     assert losses[0] == losses[1] and len(losses[0]) == 8
+
+
+def test_train_fsdp2_with_muon_resumes_exactly(tmp_path):
+    """`fastoptim train --fsdp --optimizer muon`: the Muon recipe on the GPT's sharded matrices, its momentum saved
+    through DCP; stopped and resumed, the same losses as straight through."""
+    common = ["-m", "fastoptim", "train", "--fsdp", "--optimizer", "muon", "--lr", "0.02", "--n-layer", "1",
+              "--n-embd", "32", "--n-head", "2", "--n-kv-head", "1", "--block-size", "32", "--batch-size", "4",
+              "--steps", "6", "--warmup", "2", "--eval-every", "3", "--eval-batches", "1", "--save-every", "3",
+              "--sample-tokens", "0", "--no-progress"]
+    straight = torchrun(*common, "--out-dir", str(tmp_path / "a"), "--json", str(tmp_path / "a.json"))
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    half = torchrun(*common, "--out-dir", str(tmp_path / "b"), "--stop-after", "3")
+    assert half.returncode == 0, half.stderr[-3000:]
+    rest = torchrun(*common, "--out-dir", str(tmp_path / "b"), "--resume", "--json", str(tmp_path / "b.json"))
+    assert rest.returncode == 0, rest.stderr[-3000:]
+    losses = [[e["loss"] for e in json.loads((tmp_path / f"{r}.json").read_text())["log"]] for r in "ab"]
+    assert losses[0] == losses[1] and len(losses[0]) == 6
+    assert losses[0][-1] < losses[0][0]
 
 
 def test_readme_fsdp_command_runs_to_the_end_and_resumes_on_one_process(tmp_path):

@@ -29,7 +29,7 @@ from torch import Tensor
 
 from . import clip, levels, plan, storage
 from .flat import FlatBucket
-from .levels import Bucket, is_dtensor, stages
+from .levels import Bucket, is_dtensor, sharded, stages
 from .rules import Rule
 
 
@@ -141,6 +141,15 @@ class FastOptimizer(torch.optim.Optimizer):
             why = rule.check_param(p, candidate) if isinstance(p, Tensor) else None
             if why:
                 raise ValueError(why)
+        for p in params:  # a per-tensor stage on sharded params gathers each whole param-shaped tensor, only those
+            if rule.stages and isinstance(p, Tensor) and is_dtensor(p) and sharded.shard_dim0(p):
+                for n in rule.state_names:
+                    shape = rule.state_shape(n, p)
+                    if shape not in (None, tuple(p.shape)):
+                        raise NotImplementedError(
+                            f"{type(self).__name__} keeps state {n!r} of shape {shape} for a sharded (DTensor) "
+                            f"param of shape {tuple(p.shape)}: its per-tensor step needs whole tensors, and only "
+                            f"param-shaped ones are gathered from the shards; step this param unsharded")
         if self.flat and any(rule.state_shape(n, p) not in (None, tuple(p.shape))
                              for n in rule.state_names for p in params if isinstance(p, Tensor)):
             raise ValueError(f"flat=True keeps each state as a view of one buffer shaped like the params; "
@@ -279,7 +288,8 @@ class FastOptimizer(torch.optim.Optimizer):
         extra = {} if amp.found_inf is None else {"found_inf": amp.found_inf}
         bits, _, rounding = self._storage_settings(group)
         for bucket in step_plan.buckets:
-            level_bucket = Bucket(bucket.params, bucket.grads(grads), bucket.states, bucket.cache)
+            level_bucket = Bucket(bucket.params, bucket.grads(grads), bucket.states, bucket.cache,
+                                  bucket.owners if rule.stages and bucket.convert else None)
             run = run or (partial(stages.run, self.impl) if rule.stages else levels.level(self.impl, level_bucket.device))
             rounded = storage.rounds_in_fp32(bucket.params[0].dtype, rounding)
             if bucket.staged is None:  # plain formats are checked to be the param's dtype: never staged

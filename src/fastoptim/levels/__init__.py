@@ -29,6 +29,9 @@ class Bucket:
     grads: list[Tensor]
     states: list[list[Tensor] | None]  # one list per rule.state_names entry, None where inactive
     cache: dict = field(default_factory=dict)  # survives across steps: tensor tables, compiled fns
+    # the DTensors whose local shards ``params`` are (None: every param is whole here): per-tensor stages gather
+    # each whole tensor on one rank (``sharded``); elementwise math runs on the shards as they are
+    sharded: list | None = None
 
     @property
     def device(self) -> torch.device:

@@ -9,6 +9,8 @@
   where calls are many and small; a group of large tensors that are not already one buffer (scratch is)
   runs one tensor at a time instead, as views (``STACK_MAX_NUMEL``).
 
+On sharded params (FSDP2) a per-tensor stage runs each whole tensor on one rank (``sharded``).
+
 Grads are scaled (GradScaler, clipping) once, into temporaries, before the first stage. Scratch tensors live in
 the bucket's cache (the step plan makes a new bucket, and cache, whenever a param's layout changes), one buffer
 per shape group: a per-tensor stage takes a group's scratch as it is, with no stacking copy.
@@ -22,7 +24,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from . import Bucket, level, pack_scalars, scaled_grads, took
+from . import Bucket, level, pack_scalars, scaled_grads, sharded, took
 
 
 class StageRule:
@@ -72,6 +74,9 @@ def run(impl: str, rule, bucket: Bucket, group: dict, step: int, scalars: tuple,
             lists = [tensors[name] for name in stage.tensors]
             part = Bucket(params, tensors["grad"], lists, bucket.cache.setdefault(("stage", index), {}))
             level(impl, bucket.device)(stage_rule(rule, index), part, group, step, scalars, flags)
+        elif bucket.sharded is not None:
+            sharded.per_tensor(impl, stage, tensors, scalars, flags, bucket.sharded,
+                               lambda *args: _per_tensor(*args[:3], {}, *args[3:]))  # (gathered: no scratch buffer)
         else:
             _per_tensor(impl, stage, tensors, stacked, scalars, flags)
 

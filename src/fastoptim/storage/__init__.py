@@ -424,7 +424,7 @@ def run_staged(run: Callable, bucket, *args, found_inf: Tensor | None = None, ro
                 staged.append((state, temp))
                 temps.append(temp)
         states.append(temps)
-    run(Bucket(params, grads, states, bucket.cache.setdefault("staged", {})), *args, **kwargs)
+    run(Bucket(params, grads, states, bucket.cache.setdefault("staged", {}), bucket.sharded), *args, **kwargs)
     for state, temp in staged:
         store(state, temp)
     if fp32:
