@@ -1,4 +1,5 @@
 import itertools
+import math
 import os
 import sys
 
@@ -15,15 +16,73 @@ MATRIX = [(name, i, level)
           for name, spec in OPTIMIZERS.items()
           for i, level in itertools.product(range(len(spec.option_sets)), LEVELS)]
 CASES = [(name, i) for name, spec in OPTIMIZERS.items() for i in range(len(spec.option_sets))]
+# the optimizers whose math is one elementwise ``update`` (the others run ``stages``: Muon, Adafactor)
+ELEMENTWISE = [name for name, spec in OPTIMIZERS.items() if not spec.cls.rule.stages]
+ELEMENTWISE_CASES = [(name, i) for name, i in CASES if name in ELEMENTWISE]
 
 
-def make_params(seed=0, dtype=torch.float32):
-    """A mix of awkward params: 0-d, one element, empty, 2-D, 3-D, non-contiguous, plus a plain vector."""
+def make_params(seed=0, dtype=torch.float32, name=None):
+    """A mix of awkward params: 0-d, one element, empty, 2-D, 3-D, non-contiguous, plus a plain vector; for an
+    optimizer of matrices (``name``'s registry entry says so) awkward matrices: tall, wide, 1x1, empty, shapes
+    shared and not, non-contiguous."""
     g = torch.Generator().manual_seed(seed)
     shapes = [(), (1,), (0,), (7, 5), (3, 4, 2), (33,)]
+    if name is not None and OPTIMIZERS[name].params == "matrices":
+        shapes = [(7, 5), (5, 7), (0, 3), (7, 5), (1, 1), (3, 8)]
+    elif name == "adafactor":  # torch.optim.Adafactor, the oracle, divides by zero on an empty param
+        shapes.remove((0,))
+        shapes.append((2, 3))
     params = [torch.randn(s, generator=g, dtype=torch.float32).to(dtype) for s in shapes]
     params.append(torch.randn(6, 9, generator=g).to(dtype).t())  # non-contiguous (transposed) param
     return [torch.nn.Parameter(p) for p in params]
+
+
+def matrix_shape(shape):
+    """``shape`` as a matrix of the same number of elements, as near square as that number allows (a prime
+    count gives one row; no elements, 0 rows): 2-D shapes stay as they are."""
+    shape = tuple(shape)
+    if len(shape) == 2:
+        return shape
+    n = math.prod(shape)
+    if n == 0:
+        return (0, max(1, shape[-1] if shape else 1))
+    rows = max(r for r in range(1, math.isqrt(n) + 1) if n % r == 0)
+    return (rows, n // rows)
+
+
+def shapes_for(name, shapes):
+    """The param shapes a test wants, for optimizer ``name``: as given, or for an optimizer of matrices (its
+    registry entry says so) each as a matrix of the same size (``matrix_shape``)."""
+    if OPTIMIZERS[name].params == "matrices":
+        return [matrix_shape(s) for s in shapes]
+    return [tuple(s) for s in shapes]
+
+
+def shape_for(name, shape):
+    return shapes_for(name, [shape])[0]
+
+
+def newton_schulz_in_bf16(name, opts):
+    """Whether ``name`` with ``opts`` runs Muon's Newton-Schulz in bf16 on the CPU (ns_dtype None picks it where
+    the CPU multiplies bf16 natively)."""
+    if OPTIMIZERS[name].params != "matrices":
+        return False
+    from fastoptim.rules.muon import NS_DTYPES, fast_matmul_dtype
+    return (NS_DTYPES[opts.get("ns_dtype")] or fast_matmul_dtype("cpu")) == torch.bfloat16
+
+
+# Muon with bf16 Newton-Schulz against ReferenceMuon (torch's loop, the same bf16 products): the two lay a tall
+# matrix out differently for the product (ours transposes it contiguous, torch multiplies the strided view), so
+# a bf16 product can round one spacing apart. An orthogonalised entry (below 1) then moves by up to 2^-8, the
+# param by lr (0.02 in the registry) times the shape's lr ratio (sqrt(rows/cols) <= sqrt(1.5) in make_params)
+# times that: 9.2e-5 measured. fp32 Newton-Schulz is held to the fp32 tolerance.
+MUON_BF16_ATOL = 0.02 * math.sqrt(1.5) * 2.0 ** -8
+
+
+def param_atol(name, opts):
+    """The absolute tolerance of a parity check of params against the oracle: fp32's 1e-6, or for bf16
+    Newton-Schulz ``MUON_BF16_ATOL`` (over a run, the spacings where the products round apart)."""
+    return MUON_BF16_ATOL if newton_schulz_in_bf16(name, opts) else 1e-6
 
 
 def clone_params(params):

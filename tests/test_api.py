@@ -11,10 +11,10 @@ from fastoptim.registry import OPTIMIZERS
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
 def test_is_a_torch_optimizer_with_torch_defaults(name):
     spec = OPTIMIZERS[name]
-    opt = spec.cls(make_params())
+    opt = spec.cls(make_params(name=name))
     assert isinstance(opt, torch.optim.Optimizer)
     if spec.reference is not None:
-        ref = getattr(torch.optim, spec.reference)(make_params())
+        ref = getattr(torch.optim, spec.reference)(make_params(name=name))
         for k, v in opt.defaults.items():
             assert ref.defaults[k] == v, k
 

@@ -72,13 +72,13 @@ BAD_ARGS = [
 @pytest.mark.parametrize("name,kwargs,word", BAD_ARGS)
 def test_bad_hyperparameter_is_named(name, kwargs, word):
     with pytest.raises((ValueError, TypeError), match=word):
-        OPTIMIZERS[name].cls(make_params(), **kwargs)
+        OPTIMIZERS[name].cls(make_params(name=name), **kwargs)
 
 
 @pytest.mark.parametrize("name,kwargs,word", BAD_ARGS)
 def test_bad_group_added_or_edited_leaves_everything_as_it_was(name, kwargs, word):
     spec = OPTIMIZERS[name]
-    params = make_params()
+    params = make_params(name=name)
     opt = spec.cls(params[:4], **spec.option_sets[0])
     set_grads(1, [params])
     opt.step()
@@ -103,7 +103,7 @@ def test_unknown_argument_is_named():
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
 def test_sparse_grad_refused_before_anything_changes(name, level):
     spec = OPTIMIZERS[name]
-    params = make_params()
+    params = make_params(name=name)
     opt = spec.cls(params, impl=level, **spec.option_sets[1])
     set_grads(1, [params])
     opt.step()
@@ -131,7 +131,7 @@ def test_unknown_optimizer_name_lists_valid_names():
 
 def _trained(name="adam"):
     spec = OPTIMIZERS[name]
-    params = make_params()
+    params = make_params(name=name)
     opt = spec.cls([{"params": params[:3]}, {"params": params[3:]}], **spec.option_sets[1])
     set_grads(1, [params])
     opt.step()

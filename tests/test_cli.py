@@ -22,7 +22,8 @@ def test_bench_quick_writes_json_and_markdown(tmp_path, capsys):
     assert {r["workload"] for r in data["results"]} == {"mlp2000", "flat"}
     for result in data["results"]:
         assert set(result) == {"workload", "optimizer", "params", "tensors", "bytes_per_param", "gpu_estimate_ms",
-                               "rows"}
+                               "rows", "newton_schulz"}
+        assert result["newton_schulz"] is None  # (Muon's only)
         labels = [r["label"] for r in result["rows"]]
         assert "flat floor" in labels and any("clip_grad_norm_" in label for label in labels)
         for row in result["rows"]:
@@ -35,6 +36,21 @@ def test_bench_quick_writes_json_and_markdown(tmp_path, capsys):
     assert "| row |" in out_md.read_text()
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out_png.stat().st_size > 10_000
     assert "flat floor" in capsys.readouterr().out
+
+
+def test_bench_muon_reports_newton_schulz_flops_and_the_gemm_rate(tmp_path):
+    out_json = tmp_path / "m.json"
+    rc = main(["bench", "--quick", "-w", "mlp2000", "--params", "50k", "-o", "muon", "--impl", "loop", "fused",
+               "--threads", "1", "--json", str(out_json)])
+    assert rc == 0
+    (result,) = json.loads(out_json.read_text())["results"]
+    ns = result["newton_schulz"]
+    assert ns["flops_per_step"] > 0 and ns["gemm_gflops"] > 0 and ns["dtype"] in ("bfloat16", "float32")
+    labels = {row["label"] for row in result["rows"]}
+    assert "torch loop" in labels  # torch.optim.Muon beside ours
+    assert set(ns["rows"]) == labels - {"flat floor"}
+    for rate in ns["rows"].values():
+        assert rate["gflops"] > 0 and rate["of_gemm_rate"] == rate["gflops"] / ns["gemm_gflops"]
 
 
 def test_bench_a_users_module_with_installed_peers(tmp_path):

@@ -46,9 +46,11 @@ def test_clip_grad_norm_edge_cases():
 @pytest.mark.parametrize("level", LEVELS)
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
 def test_max_grad_norm_in_step_matches_clip_then_step(name, level, flat):
+    if flat and name == "adafactor":
+        pytest.skip("Adafactor refuses flat=True (tests/test_parity.py::test_adafactor_refuses_flat_mode)")
     spec = OPTIMIZERS[name]
     opts = spec.option_sets[1]
-    ours_p = make_params()
+    ours_p = make_params(name=name)
     ref_p = clone_params(ours_p)
     ours = spec.cls(ours_p, impl=level, flat=flat, max_grad_norm=0.7, **opts)
     ref = reference_class(spec)(ref_p, **opts, **reference_kwargs(spec))

@@ -19,7 +19,11 @@ import torch
 import fastoptim
 from fastoptim import levels, storage
 from fastoptim.levels import cpu_kernels, record_paths
+from conftest import ELEMENTWISE_CASES  # noqa: E402
 from fastoptim.registry import OPTIMIZERS
+
+# Kernel tests: the elementwise kernels run a rule's ``update``, which staged rules (Muon, Adafactor) do not have:
+# they never run these kernels, and their stages are tested in tests/test_stages.py. Hence ELEMENTWISE here.
 
 pytestmark = pytest.mark.skipif(cpu_kernels.available() is not None,
                                 reason=f"no C++ toolchain: {cpu_kernels.available()}")
@@ -89,7 +93,7 @@ def _assert_stored_equal(got, want, where):
         assert got.dtype == want.dtype and torch.equal(got, want), f"{where}: differs"
 
 
-CONFIGS = [(name, i) for name, spec in OPTIMIZERS.items() for i in range(len(spec.option_sets))]
+CONFIGS = ELEMENTWISE_CASES
 
 
 @pytest.mark.parametrize("bits", (16, 8, 4))

@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import CASES, assert_params_close
+from conftest import CASES, assert_params_close, shapes_for
 from fastoptim.registry import OPTIMIZERS
 
 shapes = st.lists(st.lists(st.integers(0, 9), min_size=0, max_size=3).map(tuple), min_size=1, max_size=6)
@@ -22,7 +22,7 @@ def test_levels_agree_on_random_params(shapes, case, level, lr_scale, steps, see
     opts = dict(spec.option_sets[index])
     opts["lr"] = opts.get("lr", 1e-3) * lr_scale
     g = torch.Generator().manual_seed(seed)
-    base_p = [torch.nn.Parameter(torch.randn(s, generator=g)) for s in shapes]
+    base_p = [torch.nn.Parameter(torch.randn(s, generator=g)) for s in shapes_for(name, shapes)]
     other_p = [torch.nn.Parameter(p.detach().clone()) for p in base_p]
     base = spec.cls(base_p, impl="loop", **opts)
     other = spec.cls(other_p, impl=level, **opts)
@@ -42,7 +42,7 @@ def test_state_dict_round_trip_is_invisible(shapes, case, seed):
     spec = OPTIMIZERS[name]
     opts = spec.option_sets[index]
     g = torch.Generator().manual_seed(seed)
-    params = [torch.nn.Parameter(torch.randn(s, generator=g)) for s in shapes]
+    params = [torch.nn.Parameter(torch.randn(s, generator=g)) for s in shapes_for(name, shapes)]
     opt = spec.cls(params, **opts)
     grads = [[torch.randn(p.shape, generator=g) for p in params] for _ in range(4)]
     for step_grads in grads[:2]:

@@ -34,6 +34,9 @@ CASES = [(s, n) for s in SCHEDULERS for n in ("sgd", "adam", "adamw", "rmsprop",
 CASES += [(s, n) for s in ("CyclicLR", "ExponentialLR") for n in ("adamax", "adadelta", "radam", "nadam", "rprop",
                                                                    "asgd")]
 CASES += [("OneCycleLR", n) for n in ("adamax", "radam", "nadam")]  # (NAdam's mu_product keeps each beta1 it saw)
+# Muon: the cyclers cycle its momentum, as for torch.optim.Muon (its defaults do not list the AdamW groups' betas)
+CASES += [(s, "muon") for s in ("OneCycleLR", "CyclicLR", "ExponentialLR")]
+CASES += [(s, "adafactor") for s in ("CyclicLR", "ExponentialLR")]
 
 
 @pytest.mark.parametrize("sched,name", CASES)
@@ -42,7 +45,7 @@ def test_scheduler_drives_fastoptim_like_torch(sched, name):
     opts = dict(spec.option_sets[1])
     if name == "sgd":
         opts["momentum"] = 0.9  # cyclers need a momentum to cycle
-    ours_p = make_params()
+    ours_p = make_params(name=name)
     ref_p = clone_params(ours_p)
     ours = spec.cls(ours_p, **opts)
     ref = reference_class(spec)(ref_p, **opts, **reference_kwargs(spec))

@@ -32,7 +32,7 @@ TORCH_CASES = [(n, i) for n, i in CASES if OPTIMIZERS[n].reference is not None]
 def test_torch_checkpoint_loads_and_continues_as_torch(name, index):
     spec = OPTIMIZERS[name]
     opts = spec.option_sets[index]
-    torch_p = make_params()
+    torch_p = make_params(name=name)
     torch_opt = reference_class(spec)(two_groups(torch_p, opts), **opts, **reference_kwargs(spec))
     _run(torch_opt, torch_p, 5)
     sd = _roundtrip(torch_opt.state_dict())
@@ -48,7 +48,7 @@ def test_torch_checkpoint_loads_and_continues_as_torch(name, index):
 def test_fastoptim_checkpoint_loads_into_torch(name, index):
     spec = OPTIMIZERS[name]
     opts = spec.option_sets[index]
-    ours_p = make_params()
+    ours_p = make_params(name=name)
     ours = spec.cls(two_groups(ours_p, opts), **opts)
     _run(ours, ours_p, 5)
     sd = _roundtrip(ours.state_dict())
@@ -70,7 +70,7 @@ def test_fastoptim_checkpoint_loads_into_torch(name, index):
 def test_save_load_continue_is_bit_identical(name, index, save_level, load_level):
     spec = OPTIMIZERS[name]
     opts = spec.option_sets[index]
-    straight_p = make_params()
+    straight_p = make_params(name=name)
     straight = spec.cls(two_groups(straight_p, opts), impl=save_level, **opts)
     _run(straight, straight_p, 4)
     sd = _roundtrip(straight.state_dict())

@@ -8,7 +8,10 @@ a torch.optim counterpart, at every level:
 * error inputs: fastoptim refuses the same input with the same exception type as torch (read from torch
   itself, and checked against the type the data states), with a message that names the problem;
 * sample inputs: three steps with those keyword arguments give the same params and state as torch.optim's
-  single-tensor path (``foreach=False``), to the fp32 tolerance of DESIGN.md (atol 1e-6, rtol 1e-5).
+  single-tensor path (``foreach=False``), to the fp32 tolerance of DESIGN.md (atol 1e-6, rtol 1e-5); Muon, whose
+  torch class steps one tensor at a time and always runs Newton-Schulz in bf16, against torch.optim.Muon itself
+  where fastoptim picks bf16 too (the bf16 tolerance of conftest.MUON_BF16_ATOL), else against
+  ``fastoptim.reference.ReferenceMuon`` (torch's loop with fp32 products).
 
 What is left out is listed below with its reason; anything new in torch's data runs (and fails loudly where
 fastoptim differs) instead of being skipped.
@@ -22,8 +25,11 @@ import warnings
 import pytest
 import torch
 
-from conftest import assert_state_close, clone_params, make_params, set_grads
+from conftest import (assert_state_close, clone_params, make_params, newton_schulz_in_bf16, param_atol,
+                      set_grads)
 from fastoptim.levels import LEVELS, PATHS, record_paths
+from fastoptim.levels.stages import PER_TENSOR_PATHS
+from fastoptim.reference import reference_class
 from fastoptim.registry import OPTIMIZERS
 
 pytest.importorskip("expecttest", reason="torch's test data (torch.testing._internal) imports expecttest")
@@ -43,7 +49,7 @@ INFOS = {info.optim_cls.__name__: info for info in optim_db}
 # fastoptim optimizers without a torch.optim class: nothing in torch's data to run
 NO_TORCH_COUNTERPART = {
     name: "torch.optim has no Lion; tests/test_parity.py checks it against fastoptim.reference.ReferenceLion"
-    for name, spec in OPTIMIZERS.items() if spec.reference is None
+    for name, spec in OPTIMIZERS.items() if spec.torch_counterpart is None
 }
 assert set(NO_TORCH_COUNTERPART) == {"lion"}, NO_TORCH_COUNTERPART  # a new one needs its reason written here
 
@@ -67,6 +73,13 @@ ACCEPTED_BY_DESIGN = {
         "tensor betas work at every fastoptim level, foreach included",
 }
 
+# Error inputs fastoptim refuses earlier than torch, on purpose: when the params are added (a ValueError that
+# names the problem, before any state exists) where torch raises a RuntimeError from its first step.
+REFUSED_AT_CONSTRUCTION = {
+    "does not support complex parameters":
+        "Muon and Adafactor refuse complex params in the constructor: a step could not have run them anyway",
+}
+
 # Error messages: torch's regex, or where fastoptim words the same error its own way, what its message
 # must say instead (the argument's name and the bad value).
 OUR_WORDING = {
@@ -80,19 +93,34 @@ OUR_WORDING = {
     "Invalid momentum_decay value: -0.2": r"Invalid momentum_decay: -0\.2 \(must be >= 0\)",
     "Invalid weight_decay value: -0.5": r"Invalid weight_decay: -0\.5 \(must be >= 0\)",
     "Invalid eta values: 1.0, 0.5": r"Invalid etas: \(1\.0, 0\.5\) \(must be 0 < etas\[0\] < 1 < etas\[1\]\)",
+    "epsilon1 should be >= 0": r"Invalid eps1 \(eps\[0\]\): -1e-30 \(must be >= 0\)",
+    "Clipping threshold d should be >= 1": r"Invalid d: 0\.0 \(the clipping threshold must be >= 1\)",
+    "beta2_decay should be <= 0": r"Invalid beta2_decay: 0\.8 \(must be <= 0\)",
+    "Muon only supports 2D parameters": r"Muon steps 2-D matrices only, got a param of shape \(2, 3, 4\)",
+    "Adjust learning rate function arbitrary is not supported": r"Invalid adjust_lr_fn: 'arbitrary'",
 }
 
 
 def _info(name):
-    return INFOS[OPTIMIZERS[name].reference]
+    return INFOS[OPTIMIZERS[name].torch_counterpart]
 
 
 def _sample_inputs(name):
-    return INFOS[OPTIMIZERS[name].reference].optim_inputs_func(device=DEVICE, dtype=DTYPE)
+    return _info(name).optim_inputs_func(device=DEVICE, dtype=DTYPE)
 
 
 def _error_inputs(name):
-    return INFOS[OPTIMIZERS[name].reference].optim_error_inputs_func(device=DEVICE, dtype=DTYPE)
+    return _info(name).optim_error_inputs_func(device=DEVICE, dtype=DTYPE)
+
+
+def _oracle(name, params, kwargs):
+    """torch's single-tensor path for ``kwargs`` (see the module docstring for Muon's)."""
+    spec = OPTIMIZERS[name]
+    if spec.reference is not None:
+        return getattr(torch.optim, spec.reference)(params, foreach=False, **kwargs)
+    if newton_schulz_in_bf16(name, kwargs):
+        return getattr(torch.optim, spec.torch_class)(params, **kwargs)
+    return reference_class(spec)(params, **kwargs)
 
 
 def _cases(inputs_of, describe):
@@ -113,7 +141,7 @@ def test_torch_data_covers_every_optimizer_with_a_counterpart():
     for name, spec in OPTIMIZERS.items():
         if name in NO_TORCH_COUNTERPART:
             continue
-        assert spec.reference in INFOS, spec.reference
+        assert spec.torch_counterpart in INFOS, spec.torch_counterpart
         assert len(_sample_inputs(name)) >= 5, name
         errors = _error_inputs(name)
         assert any(e.optimizer_error_input.desc == "Tensor lr must be 1-element" for e in errors), name
@@ -146,6 +174,11 @@ def test_error_inputs_raise_what_torch_raises(name, index, level):
     if desc in ACCEPTED_BY_DESIGN:
         _check_accepted(name, level, ours_input.optimizer_error_input.kwargs)
         return
+    if desc in REFUSED_AT_CONSTRUCTION:
+        o = ours_input.optimizer_error_input
+        with pytest.raises(ValueError, match="complex"):
+            spec.cls(o.params, impl=level, **o.kwargs)
+        return
     t = theirs_input.optimizer_error_input
     theirs = _outcome(lambda: info.optim_cls(t.params, **t.kwargs), theirs_input.error_on)
     o = ours_input.optimizer_error_input
@@ -168,12 +201,12 @@ def test_error_inputs_raise_what_torch_raises(name, index, level):
 
 def _check_accepted(name, level, kwargs):
     spec = OPTIMIZERS[name]
-    ours_p = make_params()
+    ours_p = make_params(name=name)
     ref_p = clone_params(ours_p)
     ours = spec.cls(ours_p, impl=level, **kwargs)
     single = {k: v for k, v in kwargs.items() if k != "foreach"}
-    ref = getattr(torch.optim, spec.reference)(ref_p, foreach=False, **_copied(single))
-    _run_and_compare(ours, ours_p, ref, ref_p, level)
+    ref = _oracle(name, ref_p, _copied(single))
+    _run_and_compare(ours, ours_p, ref, ref_p, level, param_atol(name, single))
 
 
 # --- sample inputs ------------------------------------------------------------------------------------------
@@ -187,7 +220,7 @@ def _copied(kwargs):
     return {k: copy(v) for k, v in kwargs.items()}
 
 
-def _run_and_compare(ours, ours_p, ref, ref_p, level):
+def _run_and_compare(ours, ours_p, ref, ref_p, level, atol=1e-6):
     paths = set()
     for step in range(1, STEPS + 1):
         set_grads(step, [ours_p, ref_p])  # param 1 has no grad at step 3: both must skip it
@@ -196,17 +229,21 @@ def _run_and_compare(ours, ours_p, ref, ref_p, level):
         paths.update(log)
         ref.step()
         for i, (a, b) in enumerate(zip(ours_p, ref_p)):
-            torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5, msg=lambda m: f"step {step}, param {i}: {m}")
+            torch.testing.assert_close(a, b, atol=atol, rtol=1e-5, msg=lambda m: f"step {step}, param {i}: {m}")
     for a, b in zip(ours_p, ref_p):
         for key, value in ref.state[b].items():
             if key == "step" or key in ours.rule.host_states:  # host numbers here, 0-d tensors in torch
                 assert float(ours.state[a][key]) == float(value), key
             elif isinstance(value, torch.Tensor):
                 assert_state_close(ours.state[a][key], value, msg=f"state {key!r}")
-    # the level ran the path it names (on the CPU, fused runs torch's fused kernel where there is one)
+    # the level ran the path it names (on the CPU, fused runs torch's fused kernel where there is one), and a
+    # staged rule's per-tensor stages that level's batching of them
     assert paths and paths <= set(PATHS), paths
+    if ours.rule.stages:
+        assert PER_TENSOR_PATHS[level] in paths, paths
+        paths.discard(PER_TENSOR_PATHS[level])
     if level in ("loop", "foreach", "compiled"):
-        assert paths == {level}, paths
+        assert paths <= {level}, paths
     else:
         assert "loop" not in paths, paths
 
@@ -220,11 +257,11 @@ def test_sample_inputs_step_like_torch(name, index, level):
     unsupported = sorted(k for k in set(sample.kwargs) & set(UNSUPPORTED_KWARGS) if k not in spec.cls.rule.defaults)
     if unsupported:
         pytest.skip("; ".join(f"{k}: {UNSUPPORTED_KWARGS[k]}" for k in unsupported))
-    ours_p = make_params()
+    ours_p = make_params(name=name)
     ref_p = clone_params(ours_p)
     ours = spec.cls(ours_p, impl=level, **_copied(sample.kwargs))
-    ref = INFOS[spec.reference].optim_cls(ref_p, foreach=False, **_copied(sample.kwargs))
-    _run_and_compare(ours, ours_p, ref, ref_p, level)
+    ref = _oracle(name, ref_p, _copied(sample.kwargs))
+    _run_and_compare(ours, ours_p, ref, ref_p, level, param_atol(name, sample.kwargs))
 
 
 # --- tensor lr cases beyond the data ------------------------------------------------------------------------
@@ -242,6 +279,6 @@ def test_other_bad_tensor_lrs_raise_what_torch_raises(name, case):
     spec = OPTIMIZERS[name]
     lr = TENSOR_LRS[case]
     with pytest.raises(ValueError) as theirs:
-        getattr(torch.optim, spec.reference)(make_params(), lr=lr.clone(), foreach=False)
+        getattr(torch.optim, spec.torch_counterpart)(make_params(name=name), lr=lr.clone())
     with pytest.raises(type(theirs.value), match=r"\blr\b"):
-        spec.cls(make_params(), lr=lr.clone())
+        spec.cls(make_params(name=name), lr=lr.clone())

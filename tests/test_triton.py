@@ -12,11 +12,14 @@ import torch
 
 pytest.importorskip("triton")
 
-from conftest import (CASES, assert_params_close, assert_state_close, clone_params, make_params,  # noqa: E402
+from conftest import (ELEMENTWISE, ELEMENTWISE_CASES, assert_params_close, assert_state_close, clone_params, make_params,  # noqa: E402
                       set_grads)
 from fastoptim.levels import record_paths  # noqa: E402
 from fastoptim.levels import triton_kernels as tk  # noqa: E402
 from fastoptim.registry import OPTIMIZERS  # noqa: E402
+
+# Kernel tests: the elementwise kernels run a rule's ``update``, which staged rules (Muon, Adafactor) do not have:
+# they never run these kernels, and their stages are tested in tests/test_stages.py. Hence ELEMENTWISE here.
 
 
 @pytest.fixture
@@ -32,11 +35,11 @@ def _assert_same(ours, base, ours_p, base_p, step):
                 assert_state_close(ours.state[a][k], v, msg=f"step {step}, param {i}, state {k}")
 
 
-@pytest.mark.parametrize("name,index", CASES)
+@pytest.mark.parametrize("name,index", ELEMENTWISE_CASES)
 def test_interpreted_kernel_matches_loop_level_every_step(interpret, name, index):
     spec = OPTIMIZERS[name]
     opts = spec.option_sets[index]
-    base_p = make_params()
+    base_p = make_params(name=name)
     ours_p = clone_params(base_p)
     # one tensor spans several chunks and ends mid-block; the others are tiny, empty, 0-d, strided
     for params in (base_p, ours_p):
@@ -122,7 +125,7 @@ def test_table_is_cached_until_an_address_changes(interpret):
     assert paths.count("triton") == 3  # the kernel ran each step (the transposed param beside it)
 
 
-@pytest.mark.parametrize("name,index", CASES)
+@pytest.mark.parametrize("name,index", ELEMENTWISE_CASES)
 def test_kernel_unscales_and_skips_with_amp_tensors(interpret, name, index):
     """The grad multiplier (1/scale) and found_inf are read inside the kernel: no host sync."""
     spec = OPTIMIZERS[name]
@@ -167,7 +170,7 @@ def test_kernel_unscales_and_skips_with_amp_tensors(interpret, name, index):
 def _group_patterns():
     """Every rule with each distinct (active states, flags) pattern of its registry option sets."""
     seen, out = set(), []
-    for name, index in CASES:
+    for name, index in ELEMENTWISE_CASES:
         spec = OPTIMIZERS[name]
         rule = spec.cls.rule
         group = {**rule.defaults, **spec.option_sets[index]}
@@ -241,7 +244,7 @@ def test_adamw_fp32_is_four_loads_three_stores_per_element_group():
 def test_twin_divides_with_div_rn_and_the_rule_keeps_its_operator():
     """The Triton twin is the rule's own source with each ``/`` spelled ``tl.div_rn``; the rule itself (what
     the loop, foreach and compiled levels run) is untouched."""
-    for name in OPTIMIZERS:
+    for name in ELEMENTWISE:
         update = OPTIMIZERS[name].cls.rule.update
         twin = tk.twin_source(update)
         original = ast.parse(inspect.getsource(update).lstrip())
@@ -255,7 +258,7 @@ def test_twin_divides_with_div_rn_and_the_rule_keeps_its_operator():
 
 @pytest.mark.parametrize("capability", [80, 90])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("name", list(OPTIMIZERS))
+@pytest.mark.parametrize("name", ELEMENTWISE)
 def test_half_precision_kernels_round_to_nearest_with_vector_access(name, dtype, capability):
     """16-bit storage: loaded and widened exactly, computed in fp32 with IEEE division and root, stored
     with ``cvt.rn`` (the interpreter truncates fp32 -> bf16 instead: see test_triton_numerics)."""
@@ -271,7 +274,7 @@ def test_half_precision_kernels_round_to_nearest_with_vector_access(name, dtype,
 
 
 @pytest.mark.parametrize("flat", [False, True])
-@pytest.mark.parametrize("name", list(OPTIMIZERS))
+@pytest.mark.parametrize("name", ELEMENTWISE)
 def test_grad_scaler_skips_inside_the_kernel_without_reading_found_inf(interpret, monkeypatch, name, flat):
     """GradScaler's found_inf goes into the kernel; the step never reads it on the host. The skipped step is
     counted optimistically and taken back at the next step, so the run still matches torch's."""
@@ -314,7 +317,7 @@ def test_grad_scaler_skips_inside_the_kernel_without_reading_found_inf(interpret
             torch.testing.assert_close(x, y, atol=1e-6, rtol=1e-5)
 
 
-@pytest.mark.parametrize("name", list(OPTIMIZERS))
+@pytest.mark.parametrize("name", ELEMENTWISE)
 def test_kernel_reads_tensor_hyperparameters_from_memory(interpret, name):
     from test_levels_extra import run_with_tensor_hyperparameters
     with record_paths() as paths:

@@ -11,10 +11,13 @@ import torch
 
 pytest.importorskip("triton")
 
-from conftest import CASES, assert_state_close  # noqa: E402
+from conftest import ELEMENTWISE, ELEMENTWISE_CASES, assert_state_close  # noqa: E402
 from fastoptim.levels import record_paths  # noqa: E402
 from fastoptim.levels import triton_kernels as tk  # noqa: E402
 from fastoptim.registry import OPTIMIZERS  # noqa: E402
+
+# Kernel tests: the elementwise kernels run a rule's ``update``, which staged rules (Muon, Adafactor) do not have:
+# they never run these kernels, and their stages are tested in tests/test_stages.py. Hence ELEMENTWISE here.
 
 # contiguous and aligned: every param goes into the kernel (no strided fallback beside it); one spans two
 # unmasked blocks and ends mid-block
@@ -65,7 +68,7 @@ def _run_pair(name, index, dtype, impl, steps=4):
 
 @pytest.mark.parametrize("impl", ["fused", "auto"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.complex128], ids=["fp64", "complex128"])
-@pytest.mark.parametrize("name,index", CASES)
+@pytest.mark.parametrize("name,index", ELEMENTWISE_CASES)
 def test_fp64_steps_on_the_foreach_level(interpret, name, index, dtype, impl):
     """The kernel takes no fp64 (Triton passes Python floats as fp32 and ``div_rn``/``sqrt_rn`` are fp32
     only): fp64 buckets, complex128's real view among them, step on the foreach level, exact in fp64, and
@@ -83,7 +86,7 @@ def test_fp64_steps_on_the_foreach_level(interpret, name, index, dtype, impl):
 
 @pytest.mark.parametrize("impl", ["fused", "auto"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.complex64], ids=["fp32", "complex64"])
-@pytest.mark.parametrize("name", list(OPTIMIZERS))
+@pytest.mark.parametrize("name", ELEMENTWISE)
 def test_fp32_and_complex64_step_in_the_kernel(interpret, name, dtype, impl):
     for step, base, ours, base_p, ours_p, paths in _run_pair(name, 1, dtype, impl):
         assert paths == ["triton"], paths
@@ -125,7 +128,7 @@ def _compare(ours: torch.Tensor, exact32: torch.Tensor, dtype: torch.dtype, what
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("name,index", CASES)
+@pytest.mark.parametrize("name,index", ELEMENTWISE_CASES)
 def test_16bit_kernel_step_is_the_loop_level_rounded_once(interpret, name, index, dtype):
     """bf16/fp16 params and states: each step, the interpreted kernel against the loop level's fp32 math on
     the very same 16-bit inputs, rounded once to the 16-bit type.

@@ -26,13 +26,17 @@ from fastoptim import levels, storage  # noqa: E402
 from fastoptim.storage import quant  # noqa: E402
 from fastoptim.levels import record_paths  # noqa: E402
 from fastoptim.levels import triton_stored as ts  # noqa: E402
+from conftest import ELEMENTWISE, ELEMENTWISE_CASES  # noqa: E402
 from fastoptim.registry import OPTIMIZERS  # noqa: E402
+
+# Kernel tests: the elementwise kernels run a rule's ``update``, which staged rules (Muon, Adafactor) do not have:
+# they never run these kernels, and their stages are tested in tests/test_stages.py. Hence ELEMENTWISE here.
 from test_cpu_kernels import _assert_stored_equal, _oracle  # noqa: E402
 
 # whole rows of every block size and aligned (the hinted branch); rows of 257, 93, 131 and 1000 elements
 # (ragged: 1000 = 256 + 256 + 256 + 232; 131 and 93 odd, a 4-bit row ending in half a byte); a 3-D param
 SHAPES = [(3, 512), (16, 257), (5, 3, 31), (9, 131), (2, 1000)]
-CONFIGS = [(name, i) for name, spec in OPTIMIZERS.items() for i in range(len(spec.option_sets))]
+CONFIGS = ELEMENTWISE_CASES
 
 
 @pytest.fixture
@@ -187,7 +191,7 @@ def test_plain_state_params_run_staged_beside_the_kernel(interpret, bits):
 
 
 @pytest.mark.parametrize("bits", (16, 8, 4))
-@pytest.mark.parametrize("name", list(OPTIMIZERS))
+@pytest.mark.parametrize("name", ELEMENTWISE)
 def test_grad_scaler_unscales_in_the_kernel_and_a_skipped_step_stores_nothing(interpret, monkeypatch, name, bits):
     """Under torch.amp.GradScaler the kernel multiplies the grads by 1/scale and reads found_inf itself: the
     poisoned step leaves params, codes, absmax and bf16 states byte for byte as they were, and the host never
@@ -422,7 +426,7 @@ def _staged():
 
 @pytest.mark.parametrize("rounding", ("stochastic", "kahan"))
 @pytest.mark.parametrize("bits", (32, 16, 8, 4))
-@pytest.mark.parametrize("name", list(OPTIMIZERS))
+@pytest.mark.parametrize("name", ELEMENTWISE)
 def test_bf16_params_rounded_in_the_kernel_as_the_staged_path_rounds_them(interpret, name, bits, rounding):
     """bf16 params with rounding="stochastic": the kernel adds the bits ``storage.stochastic_round`` draws
     (mix32 of each element's index plus the step's key) on the fp32 pattern; with "kahan" it steps the param
@@ -520,7 +524,7 @@ def test_stochastic_rounding_kernel_compiles_with_vector_access_and_no_float_rou
 
 
 @pytest.mark.parametrize("bits", (16, 8, 4))
-@pytest.mark.parametrize("name", list(OPTIMIZERS))
+@pytest.mark.parametrize("name", ELEMENTWISE)
 def test_tensor_hyperparameters_are_read_from_memory_by_the_kernel(interpret, name, bits):
     """Hyper-parameters held as 0-d tensors and written in place each step (a device-side schedule): the
     kernel reads them from memory and stores what it stores with Python floats."""

@@ -27,13 +27,15 @@ def param_groups(model: torch.nn.Module, weight_decay: float | None = None) -> l
 def muon_groups(model: torch.nn.Module, weight_decay: float | None = None, adamw_lr: float = 3e-4,
                 adamw_betas: tuple = (0.9, 0.95), adamw_eps: float = 1e-8) -> list[dict]:
     """The usual Muon recipe as param groups of one optimizer: Muon for the hidden matrices; AdamW (``adamw_lr``,
-    ``adamw_betas``, ``adamw_eps``) for embeddings, the output head (a Linear tied to an embedding, or as wide as
-    one's vocabulary) and every param that is not a matrix, with no weight decay on 0-d/1-d params."""
+    ``adamw_betas``, ``adamw_eps``) for embeddings, the output head and every param that is not a matrix, with no
+    weight decay on 0-d/1-d params. The head is a Linear tied to an embedding or, untied, the last Linear whose
+    out_features is an embedding's vocabulary size (only the last: hidden Linears may be as wide as the vocab)."""
     embeddings = [m for m in model.modules() if isinstance(m, torch.nn.Embedding)]
     vocab = {m.num_embeddings for m in embeddings}
-    apart = {id(m.weight) for m in embeddings}
-    apart |= {id(m.weight) for m in model.modules()
-              if isinstance(m, torch.nn.Linear) and m.out_features in vocab}
+    apart = {id(m.weight) for m in embeddings}  # a tied head shares one of these weights
+    heads = [m for m in model.modules() if isinstance(m, torch.nn.Linear) and m.out_features in vocab]
+    if heads and not any(id(m.weight) in apart for m in heads):
+        apart.add(id(heads[-1].weight))
     hidden, matrices, vectors = [], [], []
     for p in model.parameters():
         if not p.requires_grad:

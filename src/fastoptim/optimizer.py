@@ -99,6 +99,7 @@ class FastOptimizer(torch.optim.Optimizer):
                             f"valid: {sorted(defaults)}")
         defaults.update(hyper)
         self.rule.validate(defaults)
+        self._group_defaults = {k: defaults.pop(k) for k in self.rule.group_only}
         super().__init__(params, defaults)
 
     # --- state: torch's mapping, counting its changes so the step plan never outlives it ---------------
@@ -127,9 +128,13 @@ class FastOptimizer(torch.optim.Optimizer):
 
     # --- param groups ---------------------------------------------------------------------------
 
+    def _all_defaults(self) -> dict[str, Any]:
+        """What a new group gets: ``defaults`` and the rule's ``group_only`` defaults."""
+        return {**self.defaults, **self._group_defaults}
+
     def add_param_group(self, param_group: dict) -> None:
         candidate = {k: v for k, v in param_group.items() if k != "params"}
-        for k, v in self.defaults.items():
+        for k, v in self._all_defaults().items():
             candidate.setdefault(k, v)
         self.rule.validate(candidate)
         self._check_storage(candidate)
@@ -162,6 +167,8 @@ class FastOptimizer(torch.optim.Optimizer):
                 by_key.setdefault((p.device, p.dtype), []).append(p)
             for ps in by_key.values():
                 FlatBucket.check(ps)
+        for k, v in self._group_defaults.items():
+            param_group.setdefault(k, v)
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         if self.flat:
@@ -297,7 +304,8 @@ class FastOptimizer(torch.optim.Optimizer):
             grad_mul = amp.grad_mul
             if bucket.staged and grad_mul is not None:  # fp32 temporaries step with an fp32 factor (the same value)
                 grad_mul = grad_mul.float()
-            args = (group, bucket.step, rule.scalars(group, bucket.step, *bucket.host_before), flags, grad_mul)
+            args = (group, bucket.step, rule.scalars(group, bucket.step, *bucket.host_before),
+                    rule.bucket_flags(flags, bucket.params[0].dtype), grad_mul)
             if not bucket.staged:
                 run(rule, level_bucket, *args, **extra)
                 continue
@@ -435,6 +443,9 @@ class FastOptimizer(torch.optim.Optimizer):
         # 16-bit) go past torch's loader, which casts every state to the param's dtype
         kept_names = {(index, name) for index, _, name, _ in kept}
         state_dict = dict(state_dict)
+        # a setting the checkpoint lacks (torch.optim.Muon's has no use_muon or ns_dtype) keeps this group's value
+        state_dict["param_groups"] = [{**{k: v for k, v in group.items() if k != "params"}, **saved}
+                                      for group, saved in zip(self.param_groups, state_dict["param_groups"])]
         state_dict["state"] = {k: {n: v.clone() if isinstance(v, Tensor) else copy.deepcopy(v)
                                    for n, v in storage.split_quantized(s)[0].items() if (k, n) not in kept_names}
                                for k, s in state_dict["state"].items()}
@@ -452,7 +463,7 @@ class FastOptimizer(torch.optim.Optimizer):
         state = super().__getstate__()
         state.update(impl=self.impl, flat=self.flat, max_grad_norm=self.max_grad_norm,
                      state_bits=self.state_bits, min_quant_size=self.min_quant_size, rounding=self.rounding,
-                     _flat_buckets=self._flat_buckets)
+                     _flat_buckets=self._flat_buckets, _group_defaults=self._group_defaults)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -469,12 +480,13 @@ class FastOptimizer(torch.optim.Optimizer):
         self.__dict__.setdefault("rounding", "nearest")
         self.__dict__.setdefault("_flat_buckets", [])
         self.__dict__.setdefault("last_grad_norm", None)
+        self.__dict__.setdefault("_group_defaults", {k: self.rule.defaults[k] for k in self.rule.group_only})
         self._plans = {}
         for buckets in self._flat_buckets:
             for bucket in buckets:
                 bucket.rehome()
         for group in self.param_groups:
-            for k, v in self.defaults.items():
+            for k, v in self._all_defaults().items():
                 group.setdefault(k, v)
         for s in self._state.values():  # counters are host ints (torch's checkpoints hold 0-d tensors)
             step = s.get("step")
@@ -499,7 +511,7 @@ class FastOptimizer(torch.optim.Optimizer):
             if len(group["params"]) != len(saved["params"]):
                 raise ValueError(f"loaded state dict's parameter group {i} has {len(saved['params'])} params, "
                                  f"this optimizer's has {len(group['params'])}")
-            merged = {**self.defaults, **{k: v for k, v in saved.items() if k != "params"}}
+            merged = {**group, **{k: v for k, v in saved.items() if k != "params"}}
             try:
                 self.rule.validate(merged)
             except (ValueError, TypeError) as e:

@@ -21,6 +21,14 @@ class OptimizerSpec:
     option_sets: tuple[dict, ...]
     # the params it takes: "any", or "matrices" (2-D only: Muon); the tests give it such params
     params: str = "any"
+    # the torch.optim class of the same algorithm where it is not the oracle (torch.optim.Muon: no
+    # single-tensor flag, its Newton-Schulz always in bf16; the oracle is fastoptim.reference.ReferenceMuon)
+    torch_class: str | None = None
+
+    @property
+    def torch_counterpart(self) -> str | None:
+        """The torch.optim class name of this algorithm, if torch has one."""
+        return self.reference or self.torch_class
 
 
 OPTIMIZERS: dict[str, OptimizerSpec] = {spec.name: spec for spec in (
@@ -93,7 +101,7 @@ OPTIMIZERS: dict[str, OptimizerSpec] = {spec.name: spec for spec in (
              ns_dtype="float32"),
         dict(lr=2e-2, ns_steps=3, ns_coefficients=(2.0, -1.5, 0.5), eps=1e-5, adjust_lr_fn="original",
              ns_dtype="float32"),
-    ), params="matrices"),
+    ), params="matrices", torch_class="Muon"),
     OptimizerSpec("lion", optimizers.Lion, None, (
         dict(lr=1e-3),
         dict(lr=1e-3, betas=(0.95, 0.98), weight_decay=0.5),

@@ -16,8 +16,6 @@ from . import workloads
 
 # torch.optim's fused CPU kernels exist for these
 TORCH_FUSED = {"sgd", "adam", "adamw", "adagrad"}
-# torch.optim classes that only step one tensor at a time (no foreach=), where fastoptim's oracle is another
-TORCH_LOOP_ONLY = {"muon": "Muon"}
 
 
 @dataclass
@@ -88,7 +86,7 @@ def rows_for(optimizer: str, impls: list[str], flat_impls: list[str] = (), peers
         rows.append(Row("fastoptim fused + clip_grad_norm_", "fastoptim", "fused",
                         lambda ps: ClipThenStep(spec.cls(ps, impl="fused", **kwargs), clip, clip_grad_norm_)))
 
-    torch_name = spec.reference or TORCH_LOOP_ONLY.get(spec.name)
+    torch_name = spec.torch_counterpart
 
     def torch_row(label, **flags):
         torch_cls = getattr(torch.optim, torch_name)
@@ -97,7 +95,7 @@ def rows_for(optimizer: str, impls: list[str], flat_impls: list[str] = (), peers
                 torch_cls(ps, **flags, **kwargs), clip, torch.nn.utils.clip_grad_norm_))
         return Row(label, "torch", label.split()[-1], lambda ps: torch_cls(ps, **flags, **kwargs))
 
-    if peers != "none" and spec.name in TORCH_LOOP_ONLY:
+    if peers != "none" and spec.torch_class is not None:  # torch steps it one tensor at a time only
         rows.append(torch_row("torch loop"))
     elif peers != "none" and spec.reference is not None:
         rows += [torch_row("torch loop", foreach=False), torch_row("torch foreach", foreach=True)]

@@ -96,13 +96,17 @@ def shape_groups(tensors: dict[str, list | None], names: tuple[str, ...]) -> lis
 STACK_MAX_NUMEL = 1 << 16
 
 
+# the path (``record_paths``) a per-tensor stage takes at each level
+PER_TENSOR_PATHS = {"loop": "stage_loop", "foreach": "stage_batched", "fused": "stage_batched",
+                    "auto": "stage_batched", "compiled": "stage_compiled"}
+
+
 def _per_tensor(impl: str, stage, tensors: dict, stacked: dict, scalars: tuple, flags: tuple) -> None:
     n = len(tensors["param"])
+    took(PER_TENSOR_PATHS[impl])
     if impl == "loop":
-        took("stage_loop")
         groups = [[i] for i in range(n)]
     else:
-        took("stage_compiled" if impl == "compiled" else "stage_batched")
         groups = []
         for members in shape_groups(tensors, stage.reads + stage.writes):
             ready = all(tensors[name] is None or (name, tuple(members)) in stacked
@@ -134,7 +138,8 @@ def _per_tensor(impl: str, stage, tensors: dict, stacked: dict, scalars: tuple, 
 
 
 def _stack(ts: list[Tensor]) -> Tensor:
-    return ts[0].unsqueeze(0) if len(ts) == 1 else torch.stack(ts)
+    # (detached: a param's view would carry requires_grad, and the compiled stage recompile for it)
+    return ts[0].detach().unsqueeze(0) if len(ts) == 1 else torch.stack(ts)
 
 
 @lru_cache(maxsize=None)
@@ -144,4 +149,4 @@ def _compiled(fn: Callable, flags: tuple, n_scalars: int) -> Callable:
     def stage(batch: list, scalars: Tensor):
         return fn(*batch, *scalars.unbind(0), *flags)
     stage.__code__ = stage.__code__.replace(co_name=f"{fn.__name__}_stage")
-    return torch.compile(stage)  # (a stage may keep a part eager: ``torch.compiler.disable``)
+    return torch.compile(stage, dynamic=True)  # (a stage may keep a part eager: ``torch.compiler.disable``)

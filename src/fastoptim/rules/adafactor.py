@@ -32,10 +32,10 @@ def _rms(x):
 
 def adafactor_step(param, grad, row_var, col_var, variance,
                    lr, decay_factor, one_minus_beta2_t, rho_t, eps1, eps2, d,
-                   MAXIMIZE, WEIGHT_DECAY, EPS1_FROM_DTYPE):
+                   MAXIMIZE, WEIGHT_DECAY, DTYPE_EPS1):
     g = -grad if MAXIMIZE else grad
-    if EPS1_FROM_DTYPE:
-        eps1 = torch.finfo(param.dtype).eps
+    if DTYPE_EPS1 is not None:  # eps1 None: the stored param dtype's epsilon (bf16's, though the math is fp32)
+        eps1 = DTYPE_EPS1
     alpha = torch.clamp(_rms(param), min=eps2) * rho_t
     if WEIGHT_DECAY:
         param = param * decay_factor
@@ -92,6 +92,10 @@ class AdafactorRule(Rule):
 
     def flags(self, group):
         return (group["maximize"], nonzero(group["weight_decay"]), group["eps"][0] is None)
+
+    def bucket_flags(self, flags, dtype):
+        maximize, weight_decay, eps1_from_dtype = flags
+        return maximize, weight_decay, torch.finfo(dtype).eps if eps1_from_dtype else None
 
     def scalars(self, group, step):
         lr = float(group["lr"])  # torch reads it on the host too (rho_t = min(lr, ...))

@@ -74,6 +74,9 @@ class Rule:
     # not elementwise: the pipeline the levels run instead of ``update``, and the temporaries it passes along
     stages: ClassVar[tuple] = ()
     scratch: ClassVar[tuple[str, ...]] = ()
+    # defaults every group gets that ``optimizer.defaults`` does not list (Muon's AdamW groups' betas: torch's
+    # schedulers cycle ``betas`` where defaults list them, and Muon's ``momentum`` must be what they cycle)
+    group_only: ClassVar[frozenset] = frozenset()
 
     def for_group(self, group: dict) -> "Rule":
         """The rule whose math steps ``group`` (itself, but for rules that hand some groups to another)."""
@@ -97,6 +100,10 @@ class Rule:
 
     def flags(self, group: dict) -> tuple[bool, ...]:
         raise NotImplementedError
+
+    def bucket_flags(self, flags: tuple, dtype: torch.dtype) -> tuple:
+        """``flags`` for a bucket of params stored in ``dtype`` (the math may see them upcast to fp32)."""
+        return flags
 
     def scalars(self, group: dict, step: int, *host: float) -> tuple[float, ...]:
         raise NotImplementedError

@@ -31,7 +31,9 @@ ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
 
 def muon_momentum(p, g, momentum_buffer, update,
                   eps, lr, decay_factor, one_minus_momentum, momentum,
-                  NESTEROV, NS_COEFFICIENTS, NS_STEPS, NS_DTYPE, ADJUST_LR_FN):
+                  NESTEROV, NS_COEFFICIENTS, NS_STEPS, NS_DTYPE, ADJUST_LR_FN, MAXIMIZE):
+    if MAXIMIZE:  # (torch.optim.Muon has no maximize; every other torch.optim algorithm does)
+        g = -g
     momentum_buffer = momentum_buffer + (g - momentum_buffer) * one_minus_momentum
     if NESTEROV:
         update = g + (momentum_buffer - g) * momentum
@@ -44,7 +46,7 @@ def lr_ratio(rows: int, cols: int, adjust_lr_fn: str | None) -> float:
     """torch.optim.Muon's ``_adjust_lr``: how much a matrix of this shape scales lr."""
     if adjust_lr_fn == "match_rms_adamw":
         return 0.2 * math.sqrt(max(rows, cols))
-    return math.sqrt(max(1, rows / cols))
+    return math.sqrt(max(1, rows / cols)) if cols else 1.0  # (an empty matrix: nothing to scale)
 
 
 @functools.lru_cache(maxsize=None)
@@ -63,9 +65,11 @@ def fast_matmul_dtype(device_type: str) -> torch.dtype:
 
 @torch.compiler.disable  # the chain is library GEMM calls either way; compiled, Inductor would round bf16 its own way
 def newton_schulz(x, coefficients: tuple, eps, steps: int, dtype):
-    """The orthogonalisation of each matrix of the batch ``x`` (n, rows, cols), in ``dtype``, with torch's
-    operations (``baddbmm`` is ``addmm`` batched: the scaling and the sum in the product's own pass)."""
+    """The orthogonalisation of each matrix of the batch ``x`` (n, rows, cols), in ``dtype`` (None: the device's
+    ``fast_matmul_dtype``), with torch's operations (``baddbmm`` is ``addmm`` batched: the scaling and the sum in
+    the product's own pass)."""
     a, b, c = coefficients
+    dtype = dtype or fast_matmul_dtype(x.device.type)
     wide = x.shape[-2] <= x.shape[-1]
     # one pass converts and lays a tall matrix out transposed: products of strided operands would copy each time
     x = (x if wide else x.mT).to(dtype, memory_format=torch.contiguous_format)
@@ -77,15 +81,15 @@ def newton_schulz(x, coefficients: tuple, eps, steps: int, dtype):
 
 
 def muon_orthogonalise(update, eps, lr, decay_factor, one_minus_momentum, momentum,
-                       NESTEROV, NS_COEFFICIENTS, NS_STEPS, NS_DTYPE, ADJUST_LR_FN):
+                       NESTEROV, NS_COEFFICIENTS, NS_STEPS, NS_DTYPE, ADJUST_LR_FN, MAXIMIZE):
     """The orthogonalised update times the shape's lr ratio (in the update's dtype; 1 needs no pass)."""
-    out = newton_schulz(update, NS_COEFFICIENTS, eps, NS_STEPS, NS_DTYPE or fast_matmul_dtype(update.device.type))
+    out = newton_schulz(update, NS_COEFFICIENTS, eps, NS_STEPS, NS_DTYPE)
     ratio = lr_ratio(*update.shape[-2:], ADJUST_LR_FN)
     return (out if ratio == 1 else out.to(update.dtype) * ratio,)
 
 
 def muon_apply(p, g, update, eps, lr, decay_factor, one_minus_momentum, momentum,
-               NESTEROV, NS_COEFFICIENTS, NS_STEPS, NS_DTYPE, ADJUST_LR_FN):
+               NESTEROV, NS_COEFFICIENTS, NS_STEPS, NS_DTYPE, ADJUST_LR_FN, MAXIMIZE):
     p = p * decay_factor - update * lr
     return p, update
 
@@ -95,6 +99,7 @@ class MuonRule(Rule):
     defaults = dict(lr=1e-3, weight_decay=0.1, momentum=0.95, nesterov=True,
                     ns_coefficients=(3.4445, -4.7750, 2.0315), eps=1e-7, ns_steps=5, adjust_lr_fn=None,
                     ns_dtype=None, use_muon=True, betas=(0.9, 0.95), amsgrad=False, maximize=False)
+    group_only = frozenset({"betas", "amsgrad"})  # the AdamW groups' (schedulers then cycle Muon's momentum)
     state_names = ("momentum_buffer",)
     exports_step = False  # torch.optim.Muon keeps no step count
     scratch = ("update",)
@@ -114,7 +119,7 @@ class MuonRule(Rule):
         _number("momentum", group["momentum"])
         if float(group["momentum"]) < 0:
             raise ValueError(f"Invalid momentum: {group['momentum']} (must be >= 0)")
-        check_bool(group, "nesterov")
+        check_bool(group, "nesterov", "maximize")
         coefficients = group["ns_coefficients"]
         if not isinstance(coefficients, (tuple, list)) or len(coefficients) != 3:
             raise ValueError(f"Invalid ns_coefficients: {coefficients!r} (must be three numbers (a, b, c))")
@@ -145,7 +150,7 @@ class MuonRule(Rule):
         # the coefficients are constants of the product chain (``baddbmm`` takes them as numbers)
         coefficients = tuple(float(c) for c in group["ns_coefficients"])
         return (group["nesterov"], coefficients, group["ns_steps"], NS_DTYPES[group["ns_dtype"]],
-                group["adjust_lr_fn"])
+                group["adjust_lr_fn"], group["maximize"])
 
     def scalars(self, group, step):
         lr, wd, momentum = group["lr"], group["weight_decay"], group["momentum"]

@@ -326,6 +326,7 @@ def main(cfg: TrainConfig) -> dict:
             summary["sample"] = bytes(t % 256 for t in out).decode("utf-8", errors="replace")
     if distributed:
         import torch.distributed as dist
+        dist.barrier()  # every rank leaves together: a gloo group torn down under a busy peer can abort it
         dist.destroy_process_group()
     return summary
 
