@@ -2,6 +2,7 @@
 (AdamW groups in the same optimizer) works with schedules, clipping, GradScaler and checkpoints."""
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -427,3 +428,73 @@ def test_muon_steps_empty_matrices_of_every_kind(level):
         ref.step()
     torch.testing.assert_close(params[-1], ref_p[0], atol=1e-6, rtol=1e-5)
     assert [tuple(opt.state[p]["momentum_buffer"].shape) for p in params[:3]] == [(0, 0), (5, 0), (0, 5)]
+
+
+class _Encoder(torch.nn.Module):
+    """Token and positional tables; MLPs as wide as the positional table (128); heads registered first."""
+
+    def __init__(self, heads=0, head_name="heads"):
+        super().__init__()
+        if heads:
+            self.add_module(head_name, torch.nn.ModuleList(torch.nn.Linear(32, 100, bias=False) for _ in range(heads)))
+        self.tok = torch.nn.Embedding(100, 32)
+        self.pos = torch.nn.Embedding(128, 32)
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(32, 128) for _ in range(2))
+
+
+def _on_adamw(groups):
+    return {id(p) for g in groups if g.get("use_muon", True) is False for p in g["params"]}
+
+
+def test_muon_recipe_head_rule_on_models_with_several_wide_linears():
+    """Untied heads registered before the blocks and multi-token heads go to AdamW (named like heads); a model
+    whose only wide Linears are hidden ones keeps them all on Muon and says so; head= overrides the rule."""
+    model = _Encoder(heads=3)
+    adamw = _on_adamw(fastoptim.factory.muon_groups(model))
+    assert {id(h.weight) for h in model.heads} <= adamw
+    assert not {id(b.weight) for b in model.blocks} & adamw
+    one = _Encoder(heads=1, head_name="proj_out")  # one Linear as wide as the vocabulary: the head, whatever its name
+    one.blocks = torch.nn.ModuleList(torch.nn.Linear(32, 64) for _ in range(2))
+    assert id(one.proj_out[0].weight) in _on_adamw(fastoptim.factory.muon_groups(one))
+    encoder = _Encoder()
+    with pytest.warns(UserWarning, match="none is named like an output head"):
+        adamw = _on_adamw(fastoptim.factory.muon_groups(encoder))
+    assert adamw == {id(encoder.tok.weight), id(encoder.pos.weight)} | {id(b.bias) for b in encoder.blocks}
+    chosen = _on_adamw(fastoptim.factory.muon_groups(encoder, head=encoder.blocks[1]))
+    assert id(encoder.blocks[1].weight) in chosen and id(encoder.blocks[0].weight) not in chosen
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt = fastoptim.create(encoder, "muon", head=())  # none, and no warning
+    assert _on_adamw(opt.param_groups) == adamw
+
+
+def test_muon_pickled_with_betas_in_defaults_moves_them_to_group_defaults():
+    """An optimizer pickled before ``group_only`` existed (its defaults held betas and amsgrad) restores with
+    the constructor's values for new AdamW groups, and schedulers then cycle Muon's momentum."""
+    opt = fastoptim.Muon(_matrices()[:1], lr=0.02, betas=(0.8, 0.99), amsgrad=True)
+    state = opt.__getstate__()
+    state["defaults"] = {**state["defaults"], "betas": (0.8, 0.99), "amsgrad": True}
+    del state["_group_defaults"]
+    old = fastoptim.Muon.__new__(fastoptim.Muon)
+    old.__setstate__(state)
+    old.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3))], "use_muon": False})
+    assert old.param_groups[-1]["betas"] == (0.8, 0.99) and old.param_groups[-1]["amsgrad"] is True
+    assert "betas" not in old.defaults
+    assert not torch.optim.lr_scheduler.OneCycleLR(old, max_lr=0.1, total_steps=10).use_beta1
+
+
+def test_named_params_are_checked_as_their_tensors_and_refused_states_name_the_algorithm():
+    with pytest.raises(ValueError, match="2-D matrices only"):
+        fastoptim.Muon([("v", torch.nn.Parameter(torch.zeros(5)))])
+    with pytest.raises(ValueError, match="complex"):
+        fastoptim.Adafactor([("c", torch.nn.Parameter(torch.zeros(2, 2, dtype=torch.complex64)))])
+    named = fastoptim.Muon([("w", torch.nn.Parameter(torch.zeros(3, 4)))], flat=True)
+    assert named.param_groups[0]["param_names"] == ["w"]
+    theirs = torch.optim.Muon(_matrices()[:1])
+    _grads(1, theirs.param_groups[0]["params"])
+    theirs.step()
+    ours = fastoptim.Muon([{"params": _matrices()[:1], "use_muon": False}])
+    before = copy.deepcopy(ours.state_dict())
+    with pytest.raises(ValueError, match="'momentum_buffer' for param 0, which its group's algorithm \\(adamw\\)"):
+        ours.load_state_dict(theirs.state_dict())
+    assert ours.state_dict() == before

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Iterable
 
 import torch
@@ -24,18 +25,44 @@ def param_groups(model: torch.nn.Module, weight_decay: float | None = None) -> l
     return [g for g in groups if g["params"]]
 
 
-def muon_groups(model: torch.nn.Module, weight_decay: float | None = None, adamw_lr: float = 3e-4,
-                adamw_betas: tuple = (0.9, 0.95), adamw_eps: float = 1e-8) -> list[dict]:
-    """The usual Muon recipe as param groups of one optimizer: Muon for the hidden matrices; AdamW (``adamw_lr``,
-    ``adamw_betas``, ``adamw_eps``) for embeddings, the output head and every param that is not a matrix, with no
-    weight decay on 0-d/1-d params. The head is a Linear tied to an embedding or, untied, the last Linear whose
-    out_features is an embedding's vocabulary size (only the last: hidden Linears may be as wide as the vocab)."""
+# the usual names of an output head's module (one part of its qualified name: "lm_head", "heads.0")
+HEAD_NAMES = frozenset({"head", "heads", "lm_head", "output", "classifier", "logits", "embed_out", "unembed"})
+
+
+def output_heads(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The weights of the model's output heads that are not an embedding's own (tied heads are): among the
+    Linears whose out_features is an embedding's vocabulary size, the only one or, where there are several (a
+    hidden Linear may be as wide as a vocabulary or a positional table), those named like a head
+    (``HEAD_NAMES``). Several and none so named, with no tied head: a warning, and none (pass ``head=``)."""
     embeddings = [m for m in model.modules() if isinstance(m, torch.nn.Embedding)]
     vocab = {m.num_embeddings for m in embeddings}
-    apart = {id(m.weight) for m in embeddings}  # a tied head shares one of these weights
-    heads = [m for m in model.modules() if isinstance(m, torch.nn.Linear) and m.out_features in vocab]
-    if heads and not any(id(m.weight) in apart for m in heads):
-        apart.add(id(heads[-1].weight))
+    tables = {id(m.weight) for m in embeddings}
+    linears = [(name, m) for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    tied = any(id(m.weight) in tables for _, m in linears)
+    wide = [(name, m) for name, m in linears if m.out_features in vocab and id(m.weight) not in tables]
+    if len(wide) == 1 and not tied:
+        return [wide[0][1].weight]
+    named = [m.weight for name, m in wide if HEAD_NAMES & set(name.split("."))]
+    if wide and not named and not tied:
+        warnings.warn(f"muon_groups: {len(wide)} Linears are as wide as an embedding ({', '.join(n for n, _ in wide)}) "
+                      "and none is named like an output head: all stay on Muon; pass head= (the head's module or "
+                      "weight, or () for none) to say which", UserWarning, stacklevel=3)
+    return named
+
+
+def muon_groups(model: torch.nn.Module, weight_decay: float | None = None, adamw_lr: float = 3e-4,
+                adamw_betas: tuple = (0.9, 0.95), adamw_eps: float = 1e-8,
+                head: torch.nn.Module | torch.Tensor | Iterable | None = None) -> list[dict]:
+    """The usual Muon recipe as param groups of one optimizer: Muon for the hidden matrices; AdamW (``adamw_lr``,
+    ``adamw_betas``, ``adamw_eps``) for embeddings, the output head and every param that is not a matrix, with no
+    weight decay on 0-d/1-d params. ``head``: the output head's modules or weights (None: ``output_heads``)."""
+    apart = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    if head is None:
+        heads = output_heads(model)
+    else:
+        heads = [head] if isinstance(head, (torch.nn.Module, torch.Tensor)) else list(head)
+        heads = [p for h in heads for p in (h.parameters() if isinstance(h, torch.nn.Module) else [h])]
+    apart |= {id(p) for p in heads}
     hidden, matrices, vectors = [], [], []
     for p in model.parameters():
         if not p.requires_grad:
@@ -56,7 +83,7 @@ def create(model_or_params: torch.nn.Module | Iterable, name: str, **kwargs: Any
     adamw_lr=3e-4)`` builds the Muon recipe (``muon_groups``) in one optimizer."""
     cls = get(name).cls
     if isinstance(model_or_params, torch.nn.Module) and get(name).name == "muon":
-        recipe = {k: kwargs.pop(k) for k in ("adamw_lr", "adamw_betas", "adamw_eps") if k in kwargs}
+        recipe = {k: kwargs.pop(k) for k in ("adamw_lr", "adamw_betas", "adamw_eps", "head") if k in kwargs}
         groups = muon_groups(model_or_params, kwargs.pop("weight_decay", None), **recipe)
         if not groups:
             raise ValueError("the model has no parameters that require grad")

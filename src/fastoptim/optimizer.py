@@ -142,11 +142,13 @@ class FastOptimizer(torch.optim.Optimizer):
         params = param_group["params"]
         if not isinstance(params, set):  # (torch refuses a set, with its own message)
             param_group["params"] = params = [params] if isinstance(params, Tensor) else list(params)
-        for p in params:
+        # named params, (name, tensor) pairs, are checked as their tensors
+        tensors = [p[1] if isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str) else p for p in params]
+        for p in tensors:
             why = rule.check_param(p, candidate) if isinstance(p, Tensor) else None
             if why:
                 raise ValueError(why)
-        for p in params:  # a per-tensor stage on sharded params gathers each whole param-shaped tensor, only those
+        for p in tensors:  # a per-tensor stage on sharded params gathers each whole param-shaped tensor, only those
             if rule.stages and isinstance(p, Tensor) and is_dtensor(p) and sharded.shard_dim0(p):
                 for n in rule.state_names:
                     shape = rule.state_shape(n, p)
@@ -156,21 +158,20 @@ class FastOptimizer(torch.optim.Optimizer):
                             f"param of shape {tuple(p.shape)}: its per-tensor step needs whole tensors, and only "
                             f"param-shaped ones are gathered from the shards; step this param unsharded")
         if self.flat and any(rule.state_shape(n, p) not in (None, tuple(p.shape))
-                             for n in rule.state_names for p in params if isinstance(p, Tensor)):
+                             for n in rule.state_names for p in tensors if isinstance(p, Tensor)):
             raise ValueError(f"flat=True keeps each state as a view of one buffer shaped like the params; "
                              f"{type(self).__name__} keeps factored states of other shapes: use flat=False")
         if self.flat:  # checked before torch adds the group: a refused group leaves no trace
-            params = param_group["params"]
-            param_group["params"] = params = [params] if isinstance(params, Tensor) else list(params)
             by_key: dict[tuple, list[Tensor]] = {}
-            for p in params:
-                by_key.setdefault((p.device, p.dtype), []).append(p)
+            for p in tensors:
+                if isinstance(p, Tensor):  # (torch refuses the others, with its own message)
+                    by_key.setdefault((p.device, p.dtype), []).append(p)
             for ps in by_key.values():
                 FlatBucket.check(ps)
-        for k, v in self._group_defaults.items():
-            param_group.setdefault(k, v)
         super().add_param_group(param_group)
         group = self.param_groups[-1]
+        for k, v in self._group_defaults.items():  # (after torch's checks: a refused group stays as it was)
+            group.setdefault(k, v)
         if self.flat:
             bits, min_quant_size, _ = self._storage_settings(group)
             kept_apart = lambda p: storage.format_for(p, "", bits, min_quant_size, frozenset()).quantized  # noqa: E731
@@ -480,7 +481,8 @@ class FastOptimizer(torch.optim.Optimizer):
         self.__dict__.setdefault("rounding", "nearest")
         self.__dict__.setdefault("_flat_buckets", [])
         self.__dict__.setdefault("last_grad_norm", None)
-        self.__dict__.setdefault("_group_defaults", {k: self.rule.defaults[k] for k in self.rule.group_only})
+        if "_group_defaults" not in self.__dict__:  # pickled before group_only: those keys sat in defaults
+            self._group_defaults = {k: self.defaults.pop(k, self.rule.defaults[k]) for k in self.rule.group_only}
         self._plans = {}
         for buckets in self._flat_buckets:
             for bucket in buckets:
@@ -506,7 +508,7 @@ class FastOptimizer(torch.optim.Optimizer):
         if len(saved_groups) != len(self.param_groups):
             raise ValueError(f"loaded state dict has {len(saved_groups)} parameter groups, "
                              f"this optimizer has {len(self.param_groups)}")
-        params = []
+        params, rules = [], {}
         for i, (group, saved) in enumerate(zip(self.param_groups, saved_groups)):
             if len(group["params"]) != len(saved["params"]):
                 raise ValueError(f"loaded state dict's parameter group {i} has {len(saved['params'])} params, "
@@ -517,6 +519,7 @@ class FastOptimizer(torch.optim.Optimizer):
             except (ValueError, TypeError) as e:
                 raise ValueError(f"loaded state dict's parameter group {i}: {e}") from None
             params += list(zip(saved["params"], group["params"]))
+            rules.update({id(p): self.rule.for_group(merged) for p in group["params"]})
         by_id = dict(params)
         group_of = {id(p): group for group in self.param_groups for p in group["params"]}
         kept = []
@@ -528,6 +531,10 @@ class FastOptimizer(torch.optim.Optimizer):
             for name, value in plain.items():
                 if name == "step" or name in self.rule.host_states or not isinstance(value, Tensor):
                     continue
+                rule = rules[id(p)]
+                if name not in rule.state_names and name not in storage.ROUNDING_STATES:
+                    raise ValueError(f"loaded state dict has state {name!r} for param {index}, which its group's "
+                                     f"algorithm ({rule.name}) does not keep: it keeps {list(rule.state_names)}")
                 if name in storage.ROUNDING_STATES:
                     why = storage.check_rounding_state(name, value.to(p.device), p)
                     if why:
@@ -535,7 +542,7 @@ class FastOptimizer(torch.optim.Optimizer):
                 if name == storage.RNG:  # the rounding's random stream: [seed, draws]
                     kept.append((index, p, name, value.clone()))  # past torch's loader, which casts to bf16
                     continue
-                shape = self.rule.for_group(group_of[id(p)]).state_shape(name, p)
+                shape = rule.state_shape(name, p)
                 if shape is not None and tuple(value.shape) != shape:
                     raise ValueError(f"loaded state dict's {name!r} for param {index} has shape "
                                      f"{tuple(value.shape)}; it must have shape {shape} (the param has shape "
