@@ -19,6 +19,12 @@ CASES = [(name, i) for name, spec in OPTIMIZERS.items() for i in range(len(spec.
 # the optimizers whose math is one elementwise ``update`` (the others run ``stages``: Muon, Adafactor)
 ELEMENTWISE = [name for name, spec in OPTIMIZERS.items() if not spec.cls.rule.stages]
 ELEMENTWISE_CASES = [(name, i) for name, i in CASES if name in ELEMENTWISE]
+# the optimizers that take flat=True (Adafactor refuses it: its factored states are not param-shaped; tested in
+# test_parity.py::test_adafactor_refuses_flat_mode), and (name, flat) for every case a test can run
+FLAT = [name for name, spec in OPTIMIZERS.items()
+        if all(spec.cls.rule.state_shape(n, torch.empty(4, 3, device="meta")) in (None, (4, 3))
+               for n in spec.cls.rule.state_names)]
+NAME_FLAT = [(name, flat) for name in OPTIMIZERS for flat in (False, True) if not flat or name in FLAT]
 
 
 def make_params(seed=0, dtype=torch.float32, name=None):
@@ -123,7 +129,9 @@ def _levels_run_their_own_paths(monkeypatch):
 @pytest.fixture(autouse=True)
 def _deterministic():
     torch.manual_seed(0)
+    threads = torch.get_num_threads()
     yield
+    assert torch.get_num_threads() == threads, "a test left torch's thread count changed for the tests after it"
 
 
 def assert_state_close(actual, expected, msg="", atol=1e-6, rtol=1e-5):

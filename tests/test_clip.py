@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import fastoptim
-from conftest import assert_params_close, clone_params, make_params, set_grads
+from conftest import NAME_FLAT, assert_params_close, clone_params, make_params, set_grads
 from fastoptim.levels import LEVELS
 from fastoptim.registry import OPTIMIZERS
 from fastoptim.reference import reference_class, reference_kwargs
@@ -42,12 +42,9 @@ def test_clip_grad_norm_edge_cases():
     torch.testing.assert_close(q.grad, torch.tensor([0.6, 0.8]), rtol=1e-5, atol=0)
 
 
-@pytest.mark.parametrize("flat", [False, True])
 @pytest.mark.parametrize("level", LEVELS)
-@pytest.mark.parametrize("name", list(OPTIMIZERS))
+@pytest.mark.parametrize("name,flat", NAME_FLAT)
 def test_max_grad_norm_in_step_matches_clip_then_step(name, level, flat):
-    if flat and name == "adafactor":
-        pytest.skip("Adafactor refuses flat=True (tests/test_parity.py::test_adafactor_refuses_flat_mode)")
     spec = OPTIMIZERS[name]
     opts = spec.option_sets[1]
     ours_p = make_params(name=name)

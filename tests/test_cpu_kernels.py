@@ -126,21 +126,46 @@ def test_the_kernel_gives_the_rules_ieee_math_on_the_stored_values_byte_for_byte
                 _assert_stored_equal(opt.state[p][state_name], value, f"step {step + 1}: {state_name} of {tuple(p.shape)}")
 
 
+class _CountingKernel:
+    """A built kernel whose entry points count their calls."""
+
+    def __init__(self, lib, calls):
+        self.lib, self.calls = lib, calls
+
+    def __getattr__(self, name):
+        function = getattr(self.lib, name)
+
+        def counted(*args):
+            self.calls.append(name)
+            return function(*args)
+        return counted
+
+
+@pytest.mark.parametrize("team", [True, False], ids=["openmp_team", "own_threads"])
 @pytest.mark.parametrize("bits", (16, 8, 4))
-def test_enough_blocks_for_every_thread_run_in_chunks_with_the_same_bytes(bits, monkeypatch):
-    """Enough blocks that the threads take several chunks each (ragged rows between chunks too)."""
+def test_enough_blocks_for_every_thread_run_in_chunks_with_the_same_bytes(bits, team, monkeypatch):
+    """Enough blocks that two threads take several chunks each (ragged rows between chunks too): on a team of
+    the OpenMP runtime torch runs on (its worker threads take the chunks), and on threads of our own."""
     calls = []
-    real = cpu_kernels.itertools.count
-
-    def counting(*args):
-        calls.append(1)
-        return real(*args)
-
-    monkeypatch.setattr(cpu_kernels.itertools, "count", counting)
-    shapes = [(300, 256), (200, 129), (7, 1000)]
-    test_the_kernel_gives_the_rules_ieee_math_on_the_stored_values_byte_for_byte("adamw", 0, bits, shapes)
-    if torch.get_num_threads() >= 2:
-        assert calls, "the step ran on one thread"
+    real_kernel = cpu_kernels.kernel
+    monkeypatch.setattr(cpu_kernels, "kernel", lambda *args: _CountingKernel(real_kernel(*args), calls))
+    if team:
+        assert cpu_kernels.omp_parallel() is not None or not (
+            sys.platform == "linux" and "OpenMP" in torch.__config__.parallel_info()), \
+            "torch runs on OpenMP here, but its runtime's GOMP_parallel was not found"
+    else:
+        monkeypatch.setattr(cpu_kernels, "omp_parallel", lambda: None)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(threads, 2))
+    try:
+        shapes = [(300, 256), (200, 129), (7, 1000)]
+        test_the_kernel_gives_the_rules_ieee_math_on_the_stored_values_byte_for_byte("adamw", 0, bits, shapes)
+    finally:
+        torch.set_num_threads(threads)
+    ran = "fo_step_team" if team and cpu_kernels.omp_parallel() is not None else "fo_step"
+    assert calls and set(calls) == {ran}, calls
+    if ran == "fo_step":
+        assert len(calls) >= 2 * 4, "the steps' blocks were not split into chunks"
 
 
 @pytest.mark.parametrize("bits", (16, 8, 4))

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import fastoptim
-from conftest import assert_params_close, clone_params, make_params, set_grads, shape_for, shapes_for
+from conftest import NAME_FLAT, assert_params_close, clone_params, make_params, set_grads, shape_for, shapes_for
 from fastoptim.levels import LEVELS
 from fastoptim.registry import OPTIMIZERS
 from fastoptim.rules.base import Elementwise, PerTensor
@@ -68,12 +68,9 @@ def _scaler_run(opt_factory, params, steps=4, poison_step=2):
     return opt, record
 
 
-@pytest.mark.parametrize("flat", [False, True])
 @pytest.mark.parametrize("level", LEVELS)
-@pytest.mark.parametrize("name", list(OPTIMIZERS))
+@pytest.mark.parametrize("name,flat", NAME_FLAT)
 def test_grad_scaler_end_to_end(name, level, flat):
-    if flat and name == "adafactor":
-        pytest.skip("Adafactor refuses flat=True (tests/test_parity.py::test_adafactor_refuses_flat_mode)")
     spec = OPTIMIZERS[name]
     opts = spec.option_sets[1]
     ours_p = [torch.nn.Parameter(torch.randn(4, 3)), torch.nn.Parameter(torch.randn(shape_for(name, (3,))))]

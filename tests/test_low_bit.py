@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import fastoptim
-from conftest import assert_params_close, shapes_for
+from conftest import FLAT, assert_params_close, shapes_for
 from fastoptim import storage
 from fastoptim.levels import LEVELS, record_paths
 from fastoptim.registry import OPTIMIZERS
@@ -381,15 +381,13 @@ FLAT_SHAPES = [(80,), (48, 80), (3, 5), (64, 70), (7,)]  # 1-D and small params 
 
 
 @pytest.mark.parametrize("bits", BITS)
-@pytest.mark.parametrize("name", list(OPTIMIZERS))
+@pytest.mark.parametrize("name", FLAT)
 def test_flat_mode_steps_low_bit_state_as_without_it(name, bits):
     """flat=True at 16/8/4 bits: the same numbers as flat=False at every step, params and state (bit for bit
     where a state is quantized; the plain tail within fp32 tolerance: torch's fused CPU kernel rounds a flat
     buffer's elements and a list's last elements in different vector lanes, 1 ulp apart); params and grads
     are views of one buffer; quantized states are kept per param, and the plain (or 16-bit) states of
     the rest are views of one buffer that holds only those params."""
-    if name == "adafactor":
-        pytest.skip("Adafactor refuses flat=True (tests/test_parity.py::test_adafactor_refuses_flat_mode)")
     opts = dict(_option(name))
     if bits in (8, 4) and OPTIMIZERS[name].cls.rule.refuses_quantized_state({**OPTIMIZERS[name].cls.rule.defaults,
                                                                              **opts}):

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from conftest import (CASES, ELEMENTWISE, MATRIX, assert_params_close, assert_state_close, clone_params, make_params,
+from conftest import (CASES, ELEMENTWISE, FLAT, MATRIX, assert_params_close, assert_state_close, clone_params, make_params,
                       param_atol, set_grads, shape_for, two_groups)
 from fastoptim.levels import LEVELS, uses_triton
 from fastoptim.registry import OPTIMIZERS
@@ -437,7 +437,7 @@ def test_cache_blocked_large_tensors_match_torch(name, level):
     assert_params_close(ours_p, ref_p)
 
 
-@pytest.mark.parametrize("name,index,level", [(n, i, lv) for n, i, lv in MATRIX if n != "adafactor"])
+@pytest.mark.parametrize("name,index,level", [(n, i, lv) for n, i, lv in MATRIX if n in FLAT])
 def test_flat_mode_matches_reference_every_step(name, index, level):
     """flat=True: params, grads and states as views of one buffer per bucket; same numbers as torch.
     (Every param has a grad here: in flat mode a missing grad counts as zeros.) Adafactor refuses flat=True

@@ -88,6 +88,27 @@ def test_muon_bf16_newton_schulz_tracks_torch_muon(level):
         assert not torch.allclose(a, b, atol=1e-5, rtol=0)  # (it is another precision)
 
 
+@pytest.mark.parametrize("avx512_bf16,amx,mkldnn_bf16,expected", [
+    (True, False, True, torch.bfloat16),    # AVX512-BF16 (Zen 4, Cooper Lake): native bf16 dot products
+    (False, True, True, torch.bfloat16),    # AMX (Sapphire Rapids)
+    (False, False, True, torch.float32),    # AVX-512 without them (Skylake-X): oneDNN emulates bf16, slower than fp32
+    (True, False, False, torch.float32),    # oneDNN held below its bf16 kernels (ONEDNN_MAX_CPU_ISA)
+])
+def test_newton_schulz_runs_in_bf16_only_where_the_cpu_multiplies_it_natively(avx512_bf16, amx, mkldnn_bf16,
+                                                                               expected, monkeypatch):
+    from fastoptim.rules import muon as muon_rule
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: mkldnn_bf16)
+    muon_rule.fast_matmul_dtype.cache_clear()
+    try:
+        assert muon_rule.fast_matmul_dtype("cpu") == expected
+        assert muon_rule.fast_matmul_dtype("cuda") == torch.bfloat16
+    finally:
+        monkeypatch.undo()
+        muon_rule.fast_matmul_dtype.cache_clear()
+
+
 def test_muon_oracle_is_not_trivially_equal():
     """Guard on ReferenceMuon: another ns_steps gives other params (the parity checks can fail)."""
     a_p, b_p = _matrices(), _matrices()

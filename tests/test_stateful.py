@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule, \
     run_state_machine_as_test
 
-from conftest import ELEMENTWISE, assert_state_close, shapes_for
+from conftest import ELEMENTWISE, FLAT, assert_state_close, shapes_for
 from fastoptim import storage
 from fastoptim.levels import LEVELS, record_paths
 from fastoptim.registry import OPTIMIZERS
@@ -70,7 +70,7 @@ class UserProgram(RuleBasedStateMachine):
             # Muon: these programs test the user's surface, not bf16 Newton-Schulz (tests/test_parity.py,
             # tests/test_stages.py), whose one-spacing differences would outgrow ATOL as lr doubles
             self.opts["ns_dtype"] = "float32"
-        flat = flat and name != "adafactor"  # (Adafactor refuses flat=True: its factored states are not param-shaped)
+        flat = flat and name in FLAT  # (Adafactor refuses flat=True: its factored states are not param-shaped)
         self.shapes = lambda shapes: shapes_for(name, shapes)  # (Muon: matrices of the same sizes)
         low = {}
         if self.state_bits != 32:  # every matrix is quantized (flat mode: kept apart from the flat buffers)

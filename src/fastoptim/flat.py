@@ -22,8 +22,8 @@ _grad = operator.attrgetter("grad")
 
 
 def same_layout(a: Tensor, b: Tensor) -> bool:
-    """Whether two tensors lie on the same memory the same way (address, strides and shape)."""
-    return a.data_ptr() == b.data_ptr() and a.stride() == b.stride() and a.shape == b.shape
+    """Whether two tensors lie on the same memory the same way (storage, offset, strides and shape)."""
+    return a.is_set_to(b)
 
 
 class FlatBucket:
@@ -89,6 +89,11 @@ class FlatBucket:
             views = self._state_views[name] = [None] * start + self.views(buffer, start)
             self._state_layouts[name] = layout
         return views
+
+    def intact(self) -> bool:
+        """Whether every param's data still is its view of the buffer: one C-speed pass (``p.data = ...``,
+        ``p.t_()`` or a resize since, even at the same address, make it False)."""
+        return all(map(Tensor.is_set_to, self.params, self.param_views))
 
     def rehome(self) -> None:
         """Make the params views of the buffer again: a deep copy clones each Parameter on its own, and a

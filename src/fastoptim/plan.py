@@ -13,7 +13,8 @@ What a plan caches (one per param group):
 What makes it stale, checked at every step before anything runs:
   * another list of params with grads (compared by identity), another set of active states, or other
     storage settings (``state_bits``, ``min_quant_size``: the optimizer puts them into ``Plan.active``);
-  * a param's data moved or re-laid (``p.data = ...``, ``p.t_()``, a resize: address, strides or shape);
+  * a param's data moved or re-laid (``p.data = ...``, ``p.t_()``, a resize: address, strides or shape; in flat
+    mode, a param's data no longer the very view of its buffer that the plan made);
   * ``optimizer.state`` replaced by another mapping;
   * any change made through the mapping or a per-param dict: a cleared or deleted state, a state tensor
     added, removed or replaced, a step count written. ``StateMap`` and its ``StateDict`` values count
@@ -228,12 +229,21 @@ class Plan:
     pending: list[tuple] = field(default_factory=list)       # (param, name, tensor, fill) put in at commit
     rehome: list[FlatBucket] = field(default_factory=list)   # flat buckets whose params' .data was replaced
     layouts: list[tuple] = field(default_factory=list)       # each param's (address, strides, shape)
+    flat: list[FlatBucket] | None = None                     # flat mode: the buckets whose views the params are
 
     def fits(self, params: list[Tensor], active: tuple, state_map: StateMap) -> bool:
         return (self.reusable and state_map is self.state_map and state_map.version == self.version
                 and active == self.active and len(params) == len(self.params)
                 and all(map(operator.is_, params, self.params))
-                and layouts(params) == self.layouts)
+                and self.same_layouts(params))
+
+    def same_layouts(self, params: list[Tensor]) -> bool:
+        """Each param's data where and as it was at commit. In flat mode, each still is its view of the buffer:
+        one pass against views the buffer keeps anyway (the three passes of ``layouts`` over thousands of params
+        cost more than the step's own work once a step has left the caches cold)."""
+        if self.flat is not None:
+            return all(fb.intact() for fb in self.flat)
+        return layouts(params) == self.layouts
 
     def commit(self) -> None:
         """Put the built states in place (building changed nothing, so a failed or skipped step leaves
@@ -255,7 +265,7 @@ class Plan:
         for bucket in self.buckets:
             bucket.dicts = list(map(state_map.get, bucket.owners))
         self.version = state_map.version
-        if self.reusable:
+        if self.reusable and self.flat is None:
             self.layouts = layouts(self.params)
 
     def advance(self, rule, group: dict) -> list[tuple]:
@@ -410,6 +420,7 @@ def build(rule, group: dict, params: list[Tensor], state_map: StateMap, state_fo
     names = [n for n, on in zip(rule.state_names, active) if on]
     plan = Plan(list(params), active, state_map, state_map.version)
     if flat_buckets is not None:
+        plan.flat = flat_buckets
         positions = {id(p): i for i, p in enumerate(params)}
         for fb in flat_buckets:
             _build_flat(plan, rule, group, fb, names, positions, state_format, param_index)

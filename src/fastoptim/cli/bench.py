@@ -63,8 +63,12 @@ def _argtype(parse):
 
 
 def run(args: argparse.Namespace) -> int:
-    with levels.own_paths(args.own_paths):
-        return _run(args)
+    threads = torch.get_num_threads()
+    try:
+        with levels.own_paths(args.own_paths):
+            return _run(args)
+    finally:  # ``--threads`` is this run's: a caller in the same process keeps its own
+        torch.set_num_threads(threads)
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -72,6 +72,7 @@ def signature(params: Sequence[Tensor], grads: Sequence[Tensor], states: Sequenc
 # --- the generated source ----------------------------------------------------------------------------
 
 PRELUDE = r"""
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <cmath>
@@ -547,15 +548,13 @@ extern "C" void fo_step(const int64_t* table, int64_t n_tensors, int64_t begin, 
     const float gm = grad_mul ? *grad_mul : 1.0f;
     (void)gm; (void)maps;
 {chr(10).join(codecs)}
+    // the block walk: tensor t, row r, block j of the row (one division, at the start)
     int64_t t = 0;
     while (t + 1 < n_tensors && table[(t + 1) * width] <= begin) ++t;
+    const int64_t* row = table + t * width;
+    int64_t length = row[{col['length']}], nblocks = (length + {block - 1}) / {block};
+    int64_t r = (begin - row[{col['first_block']}]) / nblocks, j = (begin - row[{col['first_block']}]) % nblocks;
     for (int64_t b = begin; b < end; ++b) {{
-        while (t + 1 < n_tensors && table[(t + 1) * width] <= b) ++t;
-        const int64_t* row = table + t * width;
-        const int64_t length = row[{col['length']}];
-        const int64_t nblocks = (length + {block - 1}) / {block};
-        const int64_t local = b - row[{col['first_block']}];
-        const int64_t r = local / nblocks, j = local % nblocks;
         const int64_t at = r * length + j * {block};
         const int64_t rest = length - j * {block};
         const int64_t n = rest < {block} ? rest : {block};
@@ -572,7 +571,35 @@ extern "C" void fo_step(const int64_t* table, int64_t n_tensors, int64_t begin, 
 {chr(10).join(writes)}
         }}
 {chr(10).join(stores)}
+        if (++j == nblocks) {{  // the next block: the row's next, the next row's first, or the next tensor's first
+            j = 0;
+            if (++r == row[{col['rows']}] && t + 1 < n_tensors) {{
+                r = 0;
+                row = table + ++t * width;
+                length = row[{col['length']}];
+                nblocks = (length + {block - 1}) / {block};
+            }}
+        }}
     }}
+}}
+
+// fo_step over chunks [cuts[k], cuts[k + 1]), taken in turn by the threads of a team of the OpenMP runtime torch
+// runs on (its GOMP_parallel, found by the caller): torch's own worker threads, which spin a while after each torch
+// op, take the work, instead of spinning beside threads of ours on the same cores
+struct FoJob {{
+    const int64_t* table; int64_t n_tensors; const int64_t* cuts; int64_t n_chunks;
+    const float* sc; const float* grad_mul; const void* const* maps; std::atomic<int64_t> next;
+}};
+static void fo_worker(void* data) {{
+    FoJob* job = static_cast<FoJob*>(data);
+    for (int64_t k; (k = job->next.fetch_add(1)) < job->n_chunks;)
+        fo_step(job->table, job->n_tensors, job->cuts[k], job->cuts[k + 1], job->sc, job->grad_mul, job->maps);
+}}
+extern "C" void fo_step_team(void* gomp_parallel, uint32_t threads, const int64_t* table, int64_t n_tensors,
+                             const int64_t* cuts, int64_t n_chunks, const float* sc, const float* grad_mul,
+                             const void* const* maps) {{
+    FoJob job{{table, n_tensors, cuts, n_chunks, sc, grad_mul, maps, {{0}}}};
+    reinterpret_cast<void (*)(void (*)(void*), void*, unsigned, unsigned)>(gomp_parallel)(fo_worker, &job, threads, 0);
 }}
 
 // the codec of state k on one block, as fo_step runs it (for tests): x given, its codes and absmax; else the
@@ -662,6 +689,9 @@ def _library(source: str) -> ctypes.CDLL:
     lib.fo_step.restype = None
     lib.fo_step.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
                             ctypes.c_void_p, ctypes.c_void_p]
+    lib.fo_step_team.restype = None
+    lib.fo_step_team.argtypes = [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
+                                 ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
     return lib
 
 
@@ -691,6 +721,26 @@ def _map_pointers(formats: tuple) -> tuple:
         tensors += [fmt.qmap.table(), quant.encoder(fmt.qmap).lut] if quantized else [None, None]
     array = (ctypes.c_void_p * len(tensors))(*[None if t is None else t.data_ptr() for t in tensors])
     return tensors, array
+
+
+@lru_cache(maxsize=1)
+def omp_parallel() -> int | None:
+    """The address of ``GOMP_parallel`` in the OpenMP runtime this process has loaded for torch (libgomp, or
+    LLVM's and Intel's runtimes, which export it too), or None: the kernel's threads are then our own."""
+    if os.environ.get("FASTOPTIM_OWN_THREADS"):
+        return None
+    try:
+        with open("/proc/self/maps") as f:
+            loaded = {line.split()[-1] for line in f if line.rstrip().endswith((".so", ".so.1", ".so.5"))}
+    except OSError:
+        return None
+    for path in sorted(loaded):
+        if os.path.basename(path).startswith(("libgomp", "libomp", "libiomp5")):
+            try:
+                return ctypes.cast(ctypes.CDLL(path).GOMP_parallel, ctypes.c_void_p).value
+            except (OSError, AttributeError):
+                continue
+    return None
 
 
 _pool: ThreadPoolExecutor | None = None
@@ -762,6 +812,11 @@ def run(update: Callable, table: Table, scalars: Tensor, flags: tuple, grad_mul:
     # to the others instead of keeping every thread waiting for it
     n_chunks = max(threads, min(threads * CHUNKS_PER_THREAD, first // CHUNK_BLOCKS))
     cuts = [first * k // n_chunks for k in range(n_chunks + 1)]
+    team = omp_parallel()
+    if team is not None:
+        bounds = torch.tensor(cuts, dtype=torch.int64)
+        lib.fo_step_team(team, threads, *args, bounds.data_ptr(), n_chunks, scalars.data_ptr(), gm, maps)
+        return
     turns = itertools.count()  # next() on it is atomic under the GIL
 
     def work():

@@ -18,6 +18,7 @@ per shape group: a per-tensor stage takes a group's scratch as it is, with no st
 
 from __future__ import annotations
 
+import types
 from functools import lru_cache
 from typing import Callable
 
@@ -114,8 +115,9 @@ def _per_tensor(impl: str, stage, tensors: dict, stacked: dict, scalars: tuple, 
             small = tensors["param"][members[0]].numel() <= STACK_MAX_NUMEL
             groups += [members] if ready or small or len(members) == 1 else [[i] for i in members]
     fn = stage.fn
+    written = tuple(stage.reads.index(name) for name in stage.writes) if stage.in_place else None
     if impl == "compiled":
-        fn = _compiled(stage.fn, flags, len(scalars))
+        fn = _compiled(stage.fn, flags, len(scalars), written)
     for members in groups:
         batch = [None if tensors[name] is None else stacked.get((name, tuple(members)))
                  if (name, tuple(members)) in stacked else _stack([tensors[name][i] for i in members])
@@ -125,14 +127,18 @@ def _per_tensor(impl: str, stage, tensors: dict, stacked: dict, scalars: tuple, 
                                          torch.float64 if batch[0].dtype == torch.float64 else torch.float32))
         else:
             out = fn(*batch, *scalars, *flags)
+        if stage.in_place and impl != "compiled":  # written into the batch: a target's own view, the stacked
+            out = [batch[k] for k in written]          # scratch, or a stacked copy
         for name, new in zip(stage.writes, out):
             if tensors[name] is None:
                 continue
             targets = [tensors[name][i] for i in members]
             if (name, tuple(members)) in stacked:
-                stacked[name, tuple(members)].copy_(new)
+                if new is not stacked[name, tuple(members)]:
+                    stacked[name, tuple(members)].copy_(new)
             elif len(targets) == 1:
-                targets[0].copy_(new[0])
+                if not new[0].is_set_to(targets[0]):
+                    targets[0].copy_(new[0])
             else:
                 torch._foreach_copy_(targets, list(new.unbind(0)))
 
@@ -142,11 +148,23 @@ def _stack(ts: list[Tensor]) -> Tensor:
     return ts[0].detach().unsqueeze(0) if len(ts) == 1 else torch.stack(ts)
 
 
+def _stage_body(batch: list, scalars: Tensor):
+    """The compiled stage: ``FN``, ``FLAGS`` and ``WRITTEN`` are globals of each compiled copy (``_compiled``)."""
+    if WRITTEN is None:  # noqa: F821
+        return FN(*batch, *scalars.unbind(0), *FLAGS)  # noqa: F821
+    batch = [t.clone() if k in WRITTEN and t is not None else t for k, t in enumerate(batch)]  # noqa: F821
+    FN(*batch, *scalars.unbind(0), *FLAGS)  # noqa: F821
+    return [batch[k] for k in WRITTEN]  # noqa: F821
+
+
 @lru_cache(maxsize=None)
-def _compiled(fn: Callable, flags: tuple, n_scalars: int) -> Callable:
+def _compiled(fn: Callable, flags: tuple, n_scalars: int, written: tuple | None = None) -> Callable:
     """``fn`` compiled, with the step's scalars as one tensor (lr or beta changes never recompile) and FLAGS
-    baked in."""
-    def stage(batch: list, scalars: Tensor):
-        return fn(*batch, *scalars.unbind(0), *flags)
-    stage.__code__ = stage.__code__.replace(co_name=f"{fn.__name__}_stage")
+    baked in. An in-place stage (``written``: the positions of what it writes) is compiled as a function of its
+    arguments that returns the written values, which the caller copies back. Each compiled copy is
+    ``_stage_body`` with ``fn``, ``flags`` and ``written`` as its globals, not a closure: Inductor (torch 2.13) failed
+    to build Adafactor's in-place stage on batches of vectors when they came from a closure's cells."""
+    names = dict(_stage_body.__globals__, FN=fn, FLAGS=flags, WRITTEN=written)
+    code = _stage_body.__code__.replace(co_name=f"{fn.__name__}_stage")  # its own code object: its own cache
+    stage = types.FunctionType(code, names, code.co_name)
     return torch.compile(stage, dynamic=True)  # (a stage may keep a part eager: ``torch.compiler.disable``)

@@ -50,10 +50,19 @@ class PerTensor:
     stacked on a new leading dim (``n = 1`` on the loop level), so the math reduces and multiplies over dims 1
     and up only. ``reads`` and ``writes`` name "param", "grad", states and scratch tensors; an inactive state
     comes as None. ``fn`` never writes into its arguments (they may be the user's tensors); it may write in place
-    into temporaries it made itself."""
-    fn: Callable[..., tuple]
+    into temporaries it made itself.
+
+    ``in_place``: ``fn`` writes each of ``writes`` (all of them among ``reads``) into its argument, in place, as
+    torch.optim's own loops do, and returns None; no other argument is written. An argument may then be the
+    target itself (a view of it), so the new values need no pass of their own to get there."""
+    fn: Callable[..., tuple | None]
     reads: tuple[str, ...]
     writes: tuple[str, ...]
+    in_place: bool = False
+
+    def __post_init__(self):
+        if self.in_place and not set(self.writes) <= set(self.reads):
+            raise ValueError(f"an in-place stage writes into what it reads: {self.writes} not all in {self.reads}")
 
 
 class Rule:
