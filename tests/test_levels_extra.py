@@ -356,3 +356,30 @@ def test_foreach_gathers_blocks_of_small_tensors_with_the_loop_levels_numbers(na
         return
     for a, b in zip(ours_p, base_p):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("bits", [32, 8])
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("name,flat", [(n, f) for n, f in NAME_FLAT if n in ("adamw", "sgd", "lion", "adafactor", "muon")])
+def test_a_step_counts_as_an_in_place_write_to_every_param(name, flat, level, bits):
+    """As torch.optim's loop and foreach steps do: a loss whose backward needs a param's values from before the
+    step is refused, on every level (torch's own fused CPU kernels count nothing), in flat mode (the buffers are
+    written, not the params) and at 8 bits (the kernel writes through addresses)."""
+    spec = OPTIMIZERS[name]
+    params = [torch.nn.Parameter(torch.randn(shape_for(name, s))) for s in ((64, 64), (64,))]
+    if name == "muon":
+        params = [torch.nn.Parameter(torch.randn(64, 64)), torch.nn.Parameter(torch.randn(32, 64))]
+    opt = spec.cls(params, impl=level, flat=flat, state_bits=bits, min_quant_size=0, **dict(spec.option_sets[0]))
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt.step()  # (a first step makes the states)
+    loss = sum((p * p).sum() for p in params)  # its backward needs each p as it is now
+    for p in params:
+        p.grad = torch.randn_like(p)
+    before = [p._version for p in params]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # (a routed level says so)
+        opt.step()
+    assert all(p._version > v for p, v in zip(params, before)), [p._version - v for p, v in zip(params, before)]
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()

@@ -47,6 +47,7 @@ class FlatBucket:
             p.grad = gv
         self.grad_views = grad_views
         self.param_views = param_views
+        self._head_grads: tuple[int, list[Tensor]] | None = None
         self.state_buffers: dict[str, Tensor] = {}  # each over the params from its start on
         self._state_views: dict[str, list[Tensor | None]] = {}
         self._state_layouts: dict[str, tuple[int, torch.dtype]] = {}  # name -> (first param, dtype)
@@ -90,6 +91,14 @@ class FlatBucket:
             self._state_layouts[name] = layout
         return views
 
+    def head_grads(self, start: int) -> list[Tensor]:
+        """The grad views of the first ``start`` params, as one list object for as long as the views stay the
+        same (``repair_grads`` keeps every ``p.grad`` its view; only ``rehome`` makes new views): a level may keep
+        what it worked out from them while it gets this very list."""
+        if self._head_grads is None or self._head_grads[0] != start:
+            self._head_grads = (start, self.grad_views[:start])
+        return self._head_grads[1]
+
     def intact(self) -> bool:
         """Whether every param's data still is its view of the buffer: one C-speed pass (``p.data = ...``,
         ``p.t_()`` or a resize since, even at the same address, make it False)."""
@@ -105,6 +114,7 @@ class FlatBucket:
                 p.data = view
         if any(v.data_ptr() != w.data_ptr() for v, w in zip(self.grad_views, self.views(self.grad_buffer))):
             self.grad_views = self.views(self.grad_buffer)
+            self._head_grads = None
         for name, buffer in self.state_buffers.items():
             start = self._state_layouts[name][0]
             self._state_views[name] = [None] * start + self.views(buffer, start)

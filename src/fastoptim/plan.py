@@ -199,6 +199,7 @@ class PlanBucket:
     owners: list[Tensor]               # the user's params whose state this bucket steps
     positions: list[int] | None        # where its params sit among the group's params with grads; None: all
     flat_grad: Tensor | None = None    # flat mode: the bucket is one buffer (or its tail) per tensor role
+    head: FlatBucket | None = None     # flat mode: the bucket is the params kept apart at the buffer's head
     convert: bool = False              # grads need the same view as params (DTensor local, complex real)
     dicts: list = field(default_factory=list)  # the owners' state dicts (None: no state), set at commit
     cache: dict = field(default_factory=dict)  # the level's own (the fused level's tensor table)
@@ -210,6 +211,8 @@ class PlanBucket:
         """This step's grads for the bucket, from the group's (None in flat mode: the grads are views)."""
         if self.flat_grad is not None:
             return [self.flat_grad]
+        if self.head is not None:  # the grad buffer's views, one list object while they stay the same
+            return self.head.head_grads(len(self.owners))
         if group_grads is None:
             return [p.grad for p in self.owners]
         grads = group_grads if self.positions is None else [group_grads[i] for i in self.positions]
@@ -503,7 +506,8 @@ def _build_flat(plan: Plan, rule, group: dict, fb: FlatBucket, names: list[str],
         count, host = counts[0]
         if start:
             plan.buckets.append(PlanBucket((fb.device, fb.dtype), count, list(fb.params[:start]),
-                                           states(list(range(start))), list(fb.params[:start]), None, host=host))
+                                           states(list(range(start))), list(fb.params[:start]), None, host=host,
+                                           head=fb))
         if start < len(fb.params):
             off = fb.offset(start)
             buffers = [[fb.state_buffers[n]] if n in views else None for n in rule.state_names]

@@ -61,6 +61,9 @@ def run(rule, bucket: Bucket, group: dict, step: int, scalars: tuple, flags: tup
             # torch's kernels divide by a grad scale: hand them the reciprocal of our multiplier
             rule.torch_fused(dense.params, dense.grads, dense.states, group, step,
                              grad_scale=None if grad_mul is None else grad_mul.reciprocal())
+            # written in place, as torch's loop and foreach steps count it (its fused kernels do not): autograd then
+            # refuses a backward through a param changed since its forward
+            torch.autograd.graph.increment_version(dense.params)
         if strided:
             foreach.run(rule, _subset(bucket, strided), group, step, scalars, flags, grad_mul)
         return
@@ -128,10 +131,12 @@ def run_stored(rule, bucket: Bucket, group: dict, step: int, scalars: tuple, fla
         return bucket
     # which params the kernel takes, and its tables: made once per bucket (its params and states are fixed
     # while the step plan holds it) and again when a grad's dtype or contiguity changes (new grads each step
-    # may differ: torch takes a grad of another dtype where ``p.grad_dtype`` allows it)
-    grads_seen = list(zip(map(_dtype, bucket.grads), map(Tensor.is_contiguous, bucket.grads)))
+    # may differ: torch takes a grad of another dtype where ``p.grad_dtype`` allows it). The very list of grads
+    # seen last step (flat mode's grad views: ``FlatBucket.head_grads``) holds the same tensors where they were.
     cached = bucket.cache.get("cpu_kernel")
-    if cached is None or cached[0] != grads_seen:
+    same_grads = cached is not None and cached[3] is bucket.grads
+    grads_seen = None if same_grads else list(zip(map(_dtype, bucket.grads), map(Tensor.is_contiguous, bucket.grads)))
+    if cached is None or not same_grads and cached[0] != grads_seen:
         by_formats: dict[tuple, list[int]] = {}
         rest = []
         for i in range(len(bucket.params)):
@@ -141,14 +146,16 @@ def run_stored(rule, bucket: Bucket, group: dict, step: int, scalars: tuple, fla
         for formats, indices in by_formats.items():
             part = _subset(bucket, indices)
             tables.append((cpu_kernels.Table(part.params, part.grads, part.states, formats), indices))
-        cached = bucket.cache["cpu_kernel"] = (grads_seen, tables, rest)
-    _, tables, rest = cached
+        cached = (grads_seen, tables, rest, None)
+    bucket.cache["cpu_kernel"] = cached = cached[:3] + (bucket.grads,)
+    _, tables, rest, _ = cached
     packed = pack_scalars(scalars, bucket.device)
     mul = None if grad_mul is None else grad_mul.to(bucket.device, torch.float32).reshape(())
     failed = []
     for table, indices in tables:
-        params = [bucket.params[i] for i in indices]
-        table.point_at([bucket.grads[i] for i in indices])
+        params = [bucket.params[i] for i in indices] if len(tables) > 1 or rest else bucket.params
+        if not same_grads:
+            table.point_at([bucket.grads[i] for i in indices])
         try:
             cpu_kernels.run(rule.update, table, packed, flags, mul)
         except cpu_kernels.KernelUnavailable as e:  # this kernel would not build: its params run staged
