@@ -102,6 +102,25 @@ def muon_checks(result):
         result["adafactor fsdp2 refused"] = str(e)
     from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    # a step counts as an in-place write to each sharded param (the kernels write its local shard): a loss whose
+    # backward needs the params from before the step is refused, as torch.optim's loop steps make it
+    for label, make in [("adamw fused", lambda ps: fastoptim.AdamW(ps, impl="fused")),
+                        ("adamw fused 8-bit", lambda ps: fastoptim.AdamW(ps, state_bits=8, min_quant_size=0)),
+                        ("muon fused", lambda ps: fastoptim.Muon(ps)),
+                        ("adafactor fused", lambda ps: fastoptim.Adafactor(ps)),
+                        ("torch AdamW loop", lambda ps: torch.optim.AdamW(ps, foreach=False))]:
+        torch.manual_seed(0)
+        shape = (8,) if label.startswith("adafactor") else (8, 6)
+        p = torch.nn.Parameter(distribute_tensor(torch.randn(shape), mesh, [Shard(0)]))
+        opt = make([p])
+        p.grad = distribute_tensor(torch.randn(shape), mesh, [Shard(0)])
+        loss = (p * p).sum()
+        opt.step()
+        try:
+            loss.backward()
+            result[f"sharded write counted: {label}"] = False
+        except RuntimeError as e:
+            result[f"sharded write counted: {label}"] = "modified by an inplace operation" in str(e)
     by_columns = torch.nn.Parameter(distribute_tensor(torch.randn(8, 6), mesh, [Shard(1)]))
     try:
         fastoptim.Muon([by_columns])

@@ -99,6 +99,12 @@ def test_muon_refuses_params_sharded_other_than_by_rows(dist_results):
     assert "Shard(dim=1)" in message and "Shard(0) on a 1-D mesh" in message, message
 
 
+@pytest.mark.parametrize("label", ["adamw fused", "adamw fused 8-bit", "muon fused", "adafactor fused",
+                                   "torch AdamW loop"])
+def test_a_step_counts_as_an_in_place_write_to_sharded_params(dist_results, label):
+    assert dist_results[f"sharded write counted: {label}"] is True
+
+
 def test_row_split_is_torch_chunk_and_owners_balance_the_work():
     """DTensor splits Shard(0) as torch.chunk does (the worker checks every local shard against it)."""
     from fastoptim.levels.sharded import assign, row_split

@@ -519,3 +519,23 @@ def test_named_params_are_checked_as_their_tensors_and_refused_states_name_the_a
     with pytest.raises(ValueError, match="'momentum_buffer' for param 0, which its group's algorithm \\(adamw\\)"):
         ours.load_state_dict(theirs.state_dict())
     assert ours.state_dict() == before
+
+
+@pytest.mark.parametrize("level", ["loop", "fused"])
+def test_adafactor_bf16_factored_states_are_torchs_exactly(level):
+    """torch takes each factor from the grad's norm in the param's dtype, squared there; ours sums fp32 squares
+    (faster) and rounds the norm the same way: bf16 row and column states equal torch's (foreach=False)."""
+    g = torch.Generator().manual_seed(1)
+    init = [torch.randn(s, generator=g).bfloat16() for s in ((17, 33), (64, 300), (5, 3, 7))]
+    ours = [torch.nn.Parameter(x.clone()) for x in init]
+    ref = [torch.nn.Parameter(x.clone()) for x in init]
+    opt, topt = fastoptim.Adafactor(ours, impl=level), torch.optim.Adafactor(ref, foreach=False)
+    for _ in range(5):
+        for p, q in zip(ours, ref):
+            p.grad = torch.randn(p.shape, generator=g).bfloat16()
+            q.grad = p.grad.clone()
+        opt.step()
+        topt.step()
+    for p, q in zip(ours, ref):
+        for name in ("row_var", "col_var"):
+            assert torch.equal(opt.state[p][name], topt.state[q][name]), name

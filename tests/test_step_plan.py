@@ -507,3 +507,73 @@ def test_flat_groups_edited_by_hand_are_refused_before_anything_changes():
     with pytest.raises(ValueError, match="param group 0 no longer holds the params"):
         opt.step()
     assert all(torch.equal(a, b) for a, b in zip(ps, before))
+
+
+def _moved_in_place(model, what):
+    """Moves memory without a new storage object: ``share_memory()`` (a Hogwild setup) moves each storage into
+    shared memory; an offloading hook frees a storage and gives it back at a new address."""
+    if what == "share_memory":
+        model.share_memory()
+    elif what == "grads_shared":
+        for p in model.parameters():
+            p.grad.share_memory_()
+    else:
+        params = list(model.parameters())
+        keep = [p.detach().clone() for p in params]
+        storages = {p.untyped_storage().data_ptr(): p.untyped_storage() for p in params}  # (flat: one for all)
+        for storage in storages.values():
+            size = storage.nbytes()
+            storage.resize_(0)
+            hold = torch.empty(size, dtype=torch.uint8)  # (the old address goes to someone else)
+            storage.resize_(size)
+            del hold
+        for p, k in zip(params, keep):
+            p.data.copy_(k)
+
+
+def _grad_changed_in_place(model, what):
+    """A ``.grad`` that stays the same object but is re-laid or re-pointed."""
+    for p in model.parameters():
+        if p.dim() == 2 and p.shape[0] == p.shape[1]:
+            if what == "grad_t_":
+                p.grad.t_()
+            else:
+                p.grad.data = p.grad.data * 1.5
+
+
+@pytest.mark.parametrize("bits", [32, 8])
+@pytest.mark.parametrize("action", ["share_memory", "grads_shared", "storage_freed_and_back", "grad_t_", "grad_data"])
+def test_flat_mode_follows_memory_moved_and_grads_changed_in_place(action, bits):
+    """Flat mode keeps its plan (and the CPU kernel its table of addresses) while every param is its view of the
+    buffer and every grad lies as its view does; memory that moves under the same storage object, and a grad
+    re-laid or re-pointed in place, must make them anew: the same numbers as without flat mode, and no write to
+    memory the buffers no longer own."""
+    def run(flat):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64, bias=False))
+        opt = fastoptim.AdamW(model.parameters(), lr=0.01, flat=flat, state_bits=bits, min_quant_size=0)
+        x = torch.randn(16, 64)
+        for step in range(4):
+            if not action.startswith("grad_"):
+                opt.zero_grad()
+                model(x).square().mean().backward()
+            elif step == 0 or not flat:  # the flat grads are accumulated into; the plain ones set anew
+                opt.zero_grad()
+                model(x).square().mean().backward()
+            else:
+                g = torch.autograd.grad(model(x).square().mean(), list(model.parameters()))
+                for p, gi in zip(model.parameters(), g):
+                    p.grad.copy_(gi)
+            if step == 1:
+                if action.startswith("grad_"):
+                    _grad_changed_in_place(model, action)
+                else:
+                    _moved_in_place(model, action)
+            with record_paths() as paths:
+                opt.step()
+            if bits == 8 and flat:
+                assert "cpu_kernel" in paths
+        return [p.detach().clone() for p in model.parameters()]
+
+    for a, b in zip(run(True), run(False)):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)

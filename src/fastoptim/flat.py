@@ -12,6 +12,7 @@ one bf16 buffer.
 
 from __future__ import annotations
 
+import itertools
 import operator
 from typing import Callable
 
@@ -45,9 +46,11 @@ class FlatBucket:
                 gv.copy_(p.grad)
             p.data = pv
             p.grad = gv
-        self.grad_views = grad_views
+        self.grad_views = grad_views  # the grads' views, one per param: handed to the params as their .grad
+        self._grad_layouts = self.views(self.grad_buffer)  # the same, never handed out: what a .grad must match
         self.param_views = param_views
         self._head_grads: tuple[int, list[Tensor]] | None = None
+        self._where = self.addresses()
         self.state_buffers: dict[str, Tensor] = {}  # each over the params from its start on
         self._state_views: dict[str, list[Tensor | None]] = {}
         self._state_layouts: dict[str, tuple[int, torch.dtype]] = {}  # name -> (first param, dtype)
@@ -93,16 +96,24 @@ class FlatBucket:
 
     def head_grads(self, start: int) -> list[Tensor]:
         """The grad views of the first ``start`` params, as one list object for as long as the views stay the
-        same (``repair_grads`` keeps every ``p.grad`` its view; only ``rehome`` makes new views): a level may keep
-        what it worked out from them while it gets this very list."""
+        same (``repair_grads`` makes a new view, and a new list, for any it finds changed): a level may keep what
+        it worked out from them (addresses, layouts) while it gets this very list and the plan still holds."""
         if self._head_grads is None or self._head_grads[0] != start:
             self._head_grads = (start, self.grad_views[:start])
         return self._head_grads[1]
 
+    def addresses(self) -> tuple[int, int]:
+        return self.param_buffer.data_ptr(), self.grad_buffer.data_ptr()
+
     def intact(self) -> bool:
-        """Whether every param's data still is its view of the buffer: one C-speed pass (``p.data = ...``,
-        ``p.t_()`` or a resize since, even at the same address, make it False)."""
-        return all(map(Tensor.is_set_to, self.params, self.param_views))
+        """Whether every param's data still is its view of the buffer (one C-speed pass: ``p.data = ...``,
+        ``p.t_()`` or a resize since, even at the same address, make it False), and the buffers lie where they
+        did when the plan was made (``share_memory()`` moves a storage, views and all, in place)."""
+        return self.addresses() == self._where and all(map(Tensor.is_set_to, self.params, self.param_views))
+
+    def settle(self) -> None:
+        """A plan was made on the buffers as they lie now."""
+        self._where = self.addresses()
 
     def rehome(self) -> None:
         """Make the params views of the buffer again: a deep copy clones each Parameter on its own, and a
@@ -112,23 +123,27 @@ class FlatBucket:
             if not same_layout(p, view):
                 view.copy_(p.detach().clone())  # cloned: p may lie on the view's own memory (p.t_())
                 p.data = view
-        if any(v.data_ptr() != w.data_ptr() for v, w in zip(self.grad_views, self.views(self.grad_buffer))):
-            self.grad_views = self.views(self.grad_buffer)
-            self._head_grads = None
+        self._grad_layouts = self.views(self.grad_buffer)
         for name, buffer in self.state_buffers.items():
             start = self._state_layouts[name][0]
             self._state_views[name] = [None] * start + self.views(buffer, start)
         self.repair_grads()
 
     def repair_grads(self) -> None:
-        """Put the views back where the user replaced a ``.grad`` (None counts as zeros)."""
-        if not any(map(operator.is_not, map(_grad, self.params), self.grad_views)):
+        """Each ``.grad`` lies on its part of the grad buffer as its view does; where not (a ``.grad`` replaced,
+        None, or re-laid or re-pointed in place: ``p.grad.t_()``, ``p.grad.data = x``), its values go into the
+        buffer (None counts as zeros) and the param gets a new view."""
+        grads = list(map(_grad, self.params))
+        if not any(map(operator.is_, grads, itertools.repeat(None))) and \
+                all(map(Tensor.is_set_to, grads, self._grad_layouts)):
             return  # the common case, checked at C speed
-        for p, view in zip(self.params, self.grad_views):
-            g = p.grad
-            if g is not view:
-                if g is None:
-                    view.zero_()
-                else:
-                    view.copy_(g)
-                p.grad = view
+        for i, (p, g, layout) in enumerate(zip(self.params, grads, self._grad_layouts)):
+            if g is not None and g.is_set_to(layout):
+                continue
+            view = self.grad_views[i] = layout.view(layout.shape)  # a new view: the old one may be re-laid
+            if g is None:
+                view.zero_()
+            else:
+                view.copy_(g.detach().clone())  # cloned: g may lie on the view's own memory (p.grad.t_())
+            p.grad = view
+            self._head_grads = None

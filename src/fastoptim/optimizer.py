@@ -324,11 +324,13 @@ class FastOptimizer(torch.optim.Optimizer):
                     continue
             storage.run_staged(lambda b: run(rule, b, *args), level_bucket, rounding=rounding, entries=entries,
                                **extra)
-        # flat buffers were written, not the params whose views they are: each param counts an in-place write, as
-        # torch.optim's step counts one (autograd then refuses a backward through a param changed since its forward)
-        flat = [p for bucket in step_plan.buckets if bucket.flat_grad is not None for p in bucket.owners]
-        if flat:
-            torch.autograd.graph.increment_version(flat)
+        # flat buffers and sharded params' local shards were written, not the params the user holds: each counts an
+        # in-place write, as torch.optim's step counts one (autograd then refuses a backward through a param changed
+        # since its forward)
+        written = [p for bucket in step_plan.buckets if bucket.flat_grad is not None or bucket.convert
+                   for p in bucket.owners]
+        if written:
+            torch.autograd.graph.increment_version(written)
 
     def _grad_mul(self, work: list) -> Tensor | None:
         """What the update multiplies the grads by: GradScaler's 1/scale (as GradScaler.unscale_ computes it),

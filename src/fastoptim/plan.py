@@ -270,6 +270,8 @@ class Plan:
         self.version = state_map.version
         if self.reusable and self.flat is None:
             self.layouts = layouts(self.params)
+        for fb in self.flat or ():
+            fb.settle()
 
     def advance(self, rule, group: dict) -> list[tuple]:
         """Count one step for every bucket (and move the rule's ``host_states`` with it, from ``group``'s

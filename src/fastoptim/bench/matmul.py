@@ -12,7 +12,8 @@ from .. import timing
 
 
 def _oriented(shape: tuple[int, ...]) -> tuple[int, int]:
-    """(rows, cols) as Newton-Schulz multiplies a matrix: wide (a tall one is transposed)."""
+    """(rows, cols) of the products Newton-Schulz takes of a matrix, wide: a tall one iterates on its right-hand
+    Gram, which takes the same products as its transpose would."""
     rows, cols = shape
     return (rows, cols) if rows <= cols else (cols, rows)
 

@@ -731,15 +731,16 @@ def omp_parallel() -> int | None:
         return None
     try:
         with open("/proc/self/maps") as f:
-            loaded = {line.split()[-1] for line in f if line.rstrip().endswith((".so", ".so.1", ".so.5"))}
+            loaded = {line.split()[-1] for line in f if ".so" in line}
     except OSError:
         return None
-    for path in sorted(loaded):
-        if os.path.basename(path).startswith(("libgomp", "libomp", "libiomp5")):
-            try:
-                return ctypes.cast(ctypes.CDLL(path).GOMP_parallel, ctypes.c_void_p).value
-            except (OSError, AttributeError):
-                continue
+    runtimes = [path for path in loaded if os.path.basename(path).startswith(("libgomp", "libomp", "libiomp5"))]
+    torch_lib = os.path.dirname(torch.__file__)
+    for path in sorted(runtimes, key=lambda path: (not path.startswith(torch_lib), path)):  # torch's own first
+        try:
+            return ctypes.cast(ctypes.CDLL(path).GOMP_parallel, ctypes.c_void_p).value
+        except (OSError, AttributeError):
+            continue
     return None
 
 

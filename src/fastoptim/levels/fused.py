@@ -89,6 +89,9 @@ def _run_triton(rule, bucket: Bucket, group, step, scalars, flags, grad_mul, fou
         table = bucket.cache["triton_table"] = triton_kernels.TensorTable()
     fallback = triton_kernels.run(rule.update, rule.state_names, bucket.params, bucket.grads, bucket.states,
                                   scalars, flags, table, grad_mul=grad_mul, found_inf=found_inf)
+    # written in place through their addresses: counted as torch.optim's steps count it (a step the kernel skips
+    # for found_inf is counted too: the flag is on the device, and a count too many only refuses a backward)
+    torch.autograd.graph.increment_version(bucket.params)
     if fallback:
         _safe_path(rule, _subset(bucket, fallback), group, step, scalars, flags, grad_mul, found_inf)
 

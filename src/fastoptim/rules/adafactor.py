@@ -30,6 +30,11 @@ def _rms(x):
     return norm.reshape((-1,) + (1,) * (x.dim() - 1))
 
 
+def _norm_squared(squares, dim: int, dtype):
+    """torch's ``g.norm(dim=dim, keepdim=True).square_()`` in ``dtype``, from ``g``'s squares in fp32 (or fp64)."""
+    return squares.sum(dim=dim, keepdim=True).sqrt_().to(dtype).square_()
+
+
 def adafactor_step(param, grad, row_var, col_var, variance,
                    lr, decay_factor, one_minus_beta2_t, rho_t, eps1, eps2, d,
                    MAXIMIZE, WEIGHT_DECAY, DTYPE_EPS1):
@@ -41,11 +46,11 @@ def adafactor_step(param, grad, row_var, col_var, variance,
     if WEIGHT_DECAY:
         param.mul_(decay_factor)
     if variance is None:  # factored over the last two dims
-        # mean(g^2) over each dim (torch squares the norm: the same to an ulp); a column reduction of squares runs 4x
-        # faster than a column norm here
-        squares = g.square()
-        row_var.lerp_(squares.sum(dim=-1, keepdim=True).div_(g.shape[-1]), one_minus_beta2_t)
-        col_var.lerp_(squares.sum(dim=-2, keepdim=True).div_(g.shape[-2]), one_minus_beta2_t)
+        # mean(g^2) over each dim as torch takes it, the norm squared in the param's dtype; the norms from sums of
+        # squares in fp32 (as torch's norm accumulates), since a column sum runs 4x faster than a column norm here
+        squares = g.to(torch.promote_types(g.dtype, torch.float32)).square()
+        row_var.lerp_(_norm_squared(squares, -1, g.dtype).div_(g.shape[-1]), one_minus_beta2_t)
+        col_var.lerp_(_norm_squared(squares, -2, g.dtype).div_(g.shape[-2]), one_minus_beta2_t)
         # the outer product R C by broadcasting (each entry is one rounded product, as the K=1 matmul gives it)
         var_estimate = (row_var * col_var).div_(row_var.mean(dim=-2, keepdim=True).clamp(min=eps1))
         var_estimate.clamp_(min=eps1 * eps1)

@@ -173,12 +173,25 @@ DCP_TEMPS = r"dcp(-\d+-[0-9a-f]+)?(\.tmp|\.old)"
 
 def main(cfg: TrainConfig) -> dict:
     check_config(cfg)
-    rank, world = 0, 1
+    if not (cfg.ddp or cfg.fsdp):
+        return _train(cfg, 0, 1)
+    import gc
+
+    import torch.distributed as dist
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    summary = _train(cfg, dist.get_rank(), dist.get_world_size())
+    # The model, its DDP reducer and their process group references are gone with _train's frame (and cycles with
+    # the collection), so the group dies here, through its own handle, which lets go of the GIL while its worker
+    # threads finish: a reducer dropping the last reference holds the GIL while it joins threads that may need it
+    # to free their last tensors (a deadlock seen under load).
+    gc.collect()
+    dist.barrier()  # every rank leaves together: a gloo group torn down under a busy peer can abort it
+    dist.destroy_process_group()
+    return summary
+
+
+def _train(cfg: TrainConfig, rank: int, world: int) -> dict:
     distributed = cfg.ddp or cfg.fsdp
-    if distributed:
-        import torch.distributed as dist
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-        rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda" if cfg.device == "auto" and torch.cuda.is_available() else
                          ("cpu" if cfg.device == "auto" else cfg.device))
     if device.type == "cuda" and distributed:
@@ -324,10 +337,6 @@ def main(cfg: TrainConfig) -> dict:
         out = _generate(model, cfg, device)
         if master:
             summary["sample"] = bytes(t % 256 for t in out).decode("utf-8", errors="replace")
-    if distributed:
-        import torch.distributed as dist
-        dist.barrier()  # every rank leaves together: a gloo group torn down under a busy peer can abort it
-        dist.destroy_process_group()
     return summary
 
 
