@@ -577,3 +577,61 @@ def test_flat_mode_follows_memory_moved_and_grads_changed_in_place(action, bits)
 
     for a, b in zip(run(True), run(False)):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("flat", [False, True])
+@pytest.mark.parametrize("bits", [16, 8])
+def test_state_moved_in_place_is_followed_by_the_cpu_kernel(bits, flat):
+    """``share_memory_()`` on a state (as shared-optimizer setups do) moves its storage in place: the CPU kernel's
+    table of addresses must follow it (not write the memory it left), and the step must go on as it would have."""
+    def run(move):
+        torch.manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(64, 96)), torch.nn.Parameter(torch.randn(32, 64))]
+        opt = fastoptim.AdamW(params, lr=0.01, flat=flat, state_bits=bits, min_quant_size=0)
+        for step in range(3):
+            for p in params:
+                p.grad = torch.randn_like(p)
+            with record_paths() as paths:
+                opt.step()
+            assert "cpu_kernel" in paths
+            if step == 0 and move:
+                tensors = [t for state in opt.state.values() for name in ("exp_avg", "exp_avg_sq")
+                           for t in ([state[name].codes, state[name].absmax] if bits == 8 else [state[name]])]
+                before = [t.data_ptr() for t in tensors]
+                for t in tensors:
+                    t.share_memory_()  # in flat mode one call moves a whole buffer, views and all
+                assert all(a != t.data_ptr() for a, t in zip(before, tensors))  # every state did move
+        return [p.detach().clone() for p in params], opt.state_dict()["state"]
+
+    (moved, moved_state), (kept, kept_state) = run(True), run(False)
+    for a, b in zip(moved, kept):
+        assert torch.equal(a, b)
+    for i in kept_state:
+        for name, value in kept_state[i].items():
+            same = torch.equal(moved_state[i][name], value) if torch.is_tensor(value) else moved_state[i][name] == value
+            assert same, name
+
+
+def test_flat_zero_grad_zeroes_a_replaced_grad():
+    p = torch.nn.Parameter(torch.randn(4, 4))
+    opt = fastoptim.AdamW([p], flat=True)
+    p.grad = torch.ones(4, 4)  # e.g. from torch.autograd.grad, assigned
+    opt.zero_grad()
+    assert torch.count_nonzero(p.grad) == 0
+    (p * 0).sum().backward()
+    assert torch.count_nonzero(p.grad) == 0  # accumulated into zeros, as torch.optim's zero_grad leaves it
+
+
+def test_the_cpu_kernel_keeps_no_grad_alive_after_zero_grad():
+    """Without flat mode the grads are the user's, new each step: zero_grad() (set_to_none) must free them."""
+    import weakref
+
+    p = torch.nn.Parameter(torch.randn(64, 64))
+    opt = fastoptim.AdamW([p], state_bits=8, min_quant_size=0)
+    p.grad = torch.randn(64, 64)
+    with record_paths() as paths:
+        opt.step()
+    assert "cpu_kernel" in paths
+    grad = weakref.ref(p.grad)
+    opt.zero_grad()
+    assert grad() is None

@@ -27,6 +27,11 @@ def same_layout(a: Tensor, b: Tensor) -> bool:
     return a.is_set_to(b)
 
 
+class GradViews(list):
+    """Grad views of a flat buffer, one list object for as long as they stay the same views (a level may keep
+    what it worked out from them while it gets this very object; holding it keeps nothing else alive)."""
+
+
 class FlatBucket:
     def __init__(self, params: list[Tensor], first: Callable[[Tensor], bool] | None = None):
         """``first(p)``: whether ``p`` goes to the front of the buffers (its states are kept apart)."""
@@ -99,7 +104,7 @@ class FlatBucket:
         same (``repair_grads`` makes a new view, and a new list, for any it finds changed): a level may keep what
         it worked out from them (addresses, layouts) while it gets this very list and the plan still holds."""
         if self._head_grads is None or self._head_grads[0] != start:
-            self._head_grads = (start, self.grad_views[:start])
+            self._head_grads = (start, GradViews(self.grad_views[:start]))
         return self._head_grads[1]
 
     def addresses(self) -> tuple[int, int]:

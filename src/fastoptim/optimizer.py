@@ -399,8 +399,8 @@ class FastOptimizer(torch.optim.Optimizer):
             return super().zero_grad(set_to_none)
         for buckets in self._flat_buckets:
             for bucket in buckets:
+                bucket.repair_grads()  # first: it copies a replaced grad into the buffer, which is then zeroed
                 bucket.grad_buffer.zero_()
-                bucket.repair_grads()
 
     def _param_index(self, param: Tensor) -> int:
         index = 0

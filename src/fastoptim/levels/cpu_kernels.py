@@ -769,12 +769,13 @@ class Table:
     """The kernel's table of tensors (one int64 row each: first block, rows, length and the addresses of p, g
     and the states) for tensors that all have state ``formats``. Made once per bucket: params and state
     tensors are written in place while the step plan holds them (a replaced one makes a new plan, and so a
-    new table); grads may be new tensors every step, so their addresses are checked, at C speed, each step."""
+    new table); grads may be new tensors every step, so their addresses are checked, at C speed, each step,
+    and so are the states' (``share_memory_()`` moves a state's storage in place: ``states_moved``)."""
 
     def __init__(self, params: list[Tensor], grads: list[Tensor], states: list[list | None], formats: tuple):
         self.formats = formats
         fmt = next(f for f in formats if f is not None)
-        rows_table, first = [], 0
+        rows_table, first, self.state_tensors = [], 0, []
         for i, (p, g) in enumerate(zip(params, grads)):
             rows, length, blocks = _rows(p, fmt)
             row = [first, rows, length, p.data_ptr(), g.data_ptr()]
@@ -782,12 +783,19 @@ class Table:
                 if f is None:
                     continue
                 s = column[i]
-                row += [s.codes.data_ptr(), s.absmax.data_ptr()] if f.quantized else [s.data_ptr()]
+                tensors = [s.codes, s.absmax] if f.quantized else [s]
+                self.state_tensors += tensors
+                row += map(Tensor.data_ptr, tensors)
             rows_table.append(row)
             first += blocks
         self.table = torch.tensor(rows_table, dtype=torch.int64)
         self.blocks = first
         self.grad_addresses = [row[GRAD_COLUMN] for row in rows_table]
+        self.state_addresses = list(map(Tensor.data_ptr, self.state_tensors))
+
+    def states_moved(self) -> bool:
+        """Whether a state's storage lies elsewhere than the table says (the kernel would write freed memory)."""
+        return list(map(Tensor.data_ptr, self.state_tensors)) != self.state_addresses
 
     def point_at(self, grads: list[Tensor]) -> None:
         """This step's grads (the same shapes; contiguous, as ``signature`` checked)."""

@@ -23,6 +23,7 @@ import warnings
 import torch
 from torch import Tensor
 
+from ..flat import GradViews
 from . import Bucket, caller_stacklevel, compiled, foreach, is_dtensor, pack_scalars, took, uses_triton
 
 # torch 2.13's fused CPU SGD is wrong for fp16/bf16 (0.26 off its own single-tensor SGD after 3 steps),
@@ -134,9 +135,13 @@ def run_stored(rule, bucket: Bucket, group: dict, step: int, scalars: tuple, fla
         return bucket
     # which params the kernel takes, and its tables: made once per bucket (its params and states are fixed
     # while the step plan holds it) and again when a grad's dtype or contiguity changes (new grads each step
-    # may differ: torch takes a grad of another dtype where ``p.grad_dtype`` allows it). The very list of grads
-    # seen last step (flat mode's grad views: ``FlatBucket.head_grads``) holds the same tensors where they were.
+    # may differ: torch takes a grad of another dtype where ``p.grad_dtype`` allows it) or a state's storage
+    # moved in place. Flat mode's grad views come as one list (``FlatBucket.head_grads``) that holds the same
+    # tensors where they were for as long as it is the same list object; other grads are the user's, new each
+    # step, and only their layouts are kept (holding the list would keep last step's grads alive).
     cached = bucket.cache.get("cpu_kernel")
+    if cached is not None and any(table.states_moved() for table, _ in cached[1]):
+        cached = None
     same_grads = cached is not None and cached[3] is bucket.grads
     grads_seen = None if same_grads else list(zip(map(_dtype, bucket.grads), map(Tensor.is_contiguous, bucket.grads)))
     if cached is None or not same_grads and cached[0] != grads_seen:
@@ -150,7 +155,7 @@ def run_stored(rule, bucket: Bucket, group: dict, step: int, scalars: tuple, fla
             part = _subset(bucket, indices)
             tables.append((cpu_kernels.Table(part.params, part.grads, part.states, formats), indices))
         cached = (grads_seen, tables, rest, None)
-    bucket.cache["cpu_kernel"] = cached = cached[:3] + (bucket.grads,)
+    bucket.cache["cpu_kernel"] = cached = cached[:3] + (bucket.grads if isinstance(bucket.grads, GradViews) else None,)
     _, tables, rest, _ = cached
     packed = pack_scalars(scalars, bucket.device)
     mul = None if grad_mul is None else grad_mul.to(bucket.device, torch.float32).reshape(())

@@ -31,7 +31,8 @@ def _rms(x):
 
 
 def _norm_squared(squares, dim: int, dtype):
-    """torch's ``g.norm(dim=dim, keepdim=True).square_()`` in ``dtype``, from ``g``'s squares in fp32 (or fp64)."""
+    """torch's ``g.norm(dim=dim, keepdim=True).square_()`` in ``dtype``, from ``g``'s squares in fp32 (or fp64),
+    summed in another order than torch's norm sums them: to an ulp in fp32 and fp64, exact in 16 bits."""
     return squares.sum(dim=dim, keepdim=True).sqrt_().to(dtype).square_()
 
 
@@ -46,8 +47,9 @@ def adafactor_step(param, grad, row_var, col_var, variance,
     if WEIGHT_DECAY:
         param.mul_(decay_factor)
     if variance is None:  # factored over the last two dims
-        # mean(g^2) over each dim as torch takes it, the norm squared in the param's dtype; the norms from sums of
-        # squares in fp32 (as torch's norm accumulates), since a column sum runs 4x faster than a column norm here
+        # mean(g^2) over each dim as torch takes it, the norm squared in the param's dtype, the norms from sums of
+        # squares in fp32 or fp64 (a column sum runs 4x faster than a column norm here); torch's norm sums in an
+        # order of its own, so fp32 and fp64 states may differ from torch's by an ulp (16-bit ones are torch's)
         squares = g.to(torch.promote_types(g.dtype, torch.float32)).square()
         row_var.lerp_(_norm_squared(squares, -1, g.dtype).div_(g.shape[-1]), one_minus_beta2_t)
         col_var.lerp_(_norm_squared(squares, -2, g.dtype).div_(g.shape[-2]), one_minus_beta2_t)
