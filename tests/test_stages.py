@@ -539,3 +539,24 @@ def test_adafactor_bf16_factored_states_are_torchs_exactly(level):
     for p, q in zip(ours, ref):
         for name in ("row_var", "col_var"):
             assert torch.equal(opt.state[p][name], topt.state[q][name]), name
+
+
+@pytest.mark.parametrize("level", ["loop", "foreach", "fused"])
+def test_adafactor_floor_on_the_variance_estimate_is_torchs(level):
+    """Grads so small that g^2 is under eps1^2: the estimate's floor (eps1^2) sets the update. The param's
+    change must be torch's to rtol 1e-5 (the params themselves hide it: the change is below their atol)."""
+    g = torch.Generator().manual_seed(2)
+    init = [torch.randn(s, generator=g) for s in ((16, 24), (40,))]
+    ours = [torch.nn.Parameter(x.clone()) for x in init]
+    ref = [torch.nn.Parameter(x.clone()) for x in init]
+    opt, topt = fastoptim.Adafactor(ours, impl=level), torch.optim.Adafactor(ref, foreach=False)
+    for _ in range(3):
+        before = [p.detach().clone() for p in ours]
+        for p, q in zip(ours, ref):
+            p.grad = torch.randn(p.shape, generator=g) * 1e-9
+            q.grad = p.grad.clone()
+        opt.step()
+        topt.step()
+        for p, q, b in zip(ours, ref, before):
+            torch.testing.assert_close(p.detach() - b, q.detach() - b, rtol=1e-5, atol=0)
+            p.data.copy_(q.detach())  # each step from torch's params: the change alone is compared
