@@ -386,8 +386,8 @@ def test_flat_mode_steps_low_bit_state_as_without_it(name, bits):
     """flat=True at 16/8/4 bits: the same numbers as flat=False at every step, params and state (bit for bit
     where a state is quantized; the plain tail within fp32 tolerance: torch's fused CPU kernel rounds a flat
     buffer's elements and a list's last elements in different vector lanes, 1 ulp apart); params and grads
-    are views of one buffer; quantized states are kept per param, and the plain (or 16-bit) states of
-    the rest are views of one buffer that holds only those params."""
+    are views of one buffer; the plain (or 16-bit) states of the rest are views of one buffer that holds only
+    those params; quantized states are views of one codes and one absmax buffer per state."""
     opts = dict(_option(name))
     if bits in (8, 4) and OPTIMIZERS[name].cls.rule.refuses_quantized_state({**OPTIMIZERS[name].cls.rule.defaults,
                                                                              **opts}):
@@ -432,6 +432,9 @@ def test_flat_mode_steps_low_bit_state_as_without_it(name, bits):
                 continue
             if i in quantized:
                 assert isinstance(v, storage.QuantizedState)
+                for view, buffer in zip((v.codes, v.absmax), fb.pool(k)):
+                    assert view.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()
+                    assert buffer.data_ptr() <= view.data_ptr() < buffer.data_ptr() + buffer.nbytes
             else:
                 buffer = fb.state_buffers[k]
                 assert buffer.numel() == tail and buffer.dtype == (torch.bfloat16 if bits == 16 else torch.float32)

@@ -612,6 +612,41 @@ def test_state_moved_in_place_is_followed_by_the_cpu_kernel(bits, flat):
             assert same, name
 
 
+def test_flat_pooled_states_are_watched_as_one_and_a_replaced_one_is_copied_in():
+    """Flat mode keeps the head params' quantized states in one codes and one absmax buffer per state: the CPU
+    kernel's table watches one tensor per buffer (not two per param). A state the user replaces is copied into
+    its pooled place, a buffer moved through any one view is followed, and the numbers stay those of flat=False."""
+    def run(flat):
+        torch.manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(32, 64)) for _ in range(6)]
+        opt = fastoptim.AdamW(params, lr=0.01, flat=flat, state_bits=8, min_quant_size=0)
+        for step in range(4):
+            for p in params:
+                p.grad = torch.randn_like(p)
+            if step == 2:
+                opt.state[params[3]]["exp_avg"] = torch.full_like(params[3], 0.5)  # replaced: converted, copied in
+                opt.state[params[1]]["exp_avg_sq"].codes.share_memory_()  # moves the storage under this view
+            with record_paths() as paths:
+                opt.step()
+            assert paths == ["cpu_kernel"]
+        return opt, params
+
+    (flat_opt, flat_p), (ref_opt, ref_p) = run(True), run(False)
+    for a, b in zip(flat_p, ref_p):
+        assert torch.equal(a, b)
+    (fb,) = flat_opt._flat_buckets[0]
+    for name in ("exp_avg", "exp_avg_sq"):
+        codes, absmax = fb.pool(name)
+        for p, q in zip(flat_p, ref_p):
+            mine, theirs = flat_opt.state[p][name], ref_opt.state[q][name]
+            assert mine.codes.untyped_storage().data_ptr() == codes.untyped_storage().data_ptr()
+            assert mine.absmax.untyped_storage().data_ptr() == absmax.untyped_storage().data_ptr()
+            assert torch.equal(mine.codes, theirs.codes) and torch.equal(mine.absmax, theirs.absmax)
+    assert fb.pool("exp_avg_sq")[0].is_shared() and not fb.pool("exp_avg")[0].is_shared()
+    ((table, indices),) = flat_opt._bucket_caches[0, 0]["cpu_kernel"][1]
+    assert len(indices) == 6 and len(table.state_tensors) == 4  # codes and absmax of two states
+
+
 def test_flat_zero_grad_zeroes_a_replaced_grad():
     p = torch.nn.Parameter(torch.randn(4, 4))
     opt = fastoptim.AdamW([p], flat=True)

@@ -5,19 +5,21 @@ flat grad buffer in place, ``zero_grad()`` is one memset, and a step is one elem
 single tensor per state. The per-param state dict keeps views too, so ``state_dict()`` is unchanged.
 
 With 8/4-bit state the params whose states are quantized (block-wise, per param: ``storage``) are put
-first in the buffers and keep their quantized states of their own; the rest (small or 1-D params, plain
-state) follow, so their states are one buffer over the tail and still step in one pass. 16-bit states are
-one bf16 buffer.
+first in the buffers; their quantized states are views of one codes buffer and one absmax buffer per state
+(so the kernel's check that no state moved reads a few addresses, not thousands). The rest (small or 1-D
+params, plain state) follow, so their states are one buffer over the tail and still step in one pass. 16-bit
+states are one bf16 buffer.
 """
 
 from __future__ import annotations
 
-import itertools
 import operator
 from typing import Callable
 
 import torch
 from torch import Tensor
+
+from . import storage
 
 _grad = operator.attrgetter("grad")
 
@@ -59,6 +61,7 @@ class FlatBucket:
         self.state_buffers: dict[str, Tensor] = {}  # each over the params from its start on
         self._state_views: dict[str, list[Tensor | None]] = {}
         self._state_layouts: dict[str, tuple[int, torch.dtype]] = {}  # name -> (first param, dtype)
+        self._pools: dict[str, tuple[tuple, list, tuple[Tensor, Tensor]]] = {}  # name -> (formats, states, buffers)
 
     @staticmethod
     def check(params: list[Tensor]) -> None:
@@ -99,6 +102,24 @@ class FlatBucket:
             self._state_layouts[name] = layout
         return views
 
+    def pooled_states(self, name: str, formats: list) -> list:
+        """Per param at the buffers' head, its quantized state ``name`` in ``formats[i]`` (None: not quantized
+        here), the codes and absmax of them all views of one buffer each (``storage.pooled``): the kernel's
+        check that no state moved then reads two addresses instead of two per param. Made on first use and anew
+        when the formats change; the same objects every call (the plan tells by identity whether a param's
+        state still is its pooled one, and copies a replaced one in)."""
+        layout = tuple(formats)
+        pool = self._pools.get(name)
+        if pool is None or pool[0] != layout:
+            states, buffers = storage.pooled([p.shape for p in self.params[:len(formats)]], formats, self.device)
+            pool = self._pools[name] = (layout, states, buffers)
+        return pool[1]
+
+    def pool(self, name: str) -> tuple[Tensor, Tensor] | None:
+        """The codes and absmax buffers that the head params' quantized states ``name`` are views of."""
+        pool = self._pools.get(name)
+        return None if pool is None else pool[2]
+
     def head_grads(self, start: int) -> list[Tensor]:
         """The grad views of the first ``start`` params, as one list object for as long as the views stay the
         same (``repair_grads`` makes a new view, and a new list, for any it finds changed): a level may keep what
@@ -132,17 +153,22 @@ class FlatBucket:
         for name, buffer in self.state_buffers.items():
             start = self._state_layouts[name][0]
             self._state_views[name] = [None] * start + self.views(buffer, start)
+        for name, (layout, _, buffers) in self._pools.items():  # new objects on the same buffers
+            self._pools[name] = (layout, *storage.pooled([p.shape for p in self.params[:len(layout)]], list(layout),
+                                                         self.device, buffers))
         self.repair_grads()
 
     def repair_grads(self) -> None:
         """Each ``.grad`` lies on its part of the grad buffer as its view does; where not (a ``.grad`` replaced,
         None, or re-laid or re-pointed in place: ``p.grad.t_()``, ``p.grad.data = x``), its values go into the
         buffer (None counts as zeros) and the param gets a new view."""
-        grads = list(map(_grad, self.params))
-        if not any(map(operator.is_, grads, itertools.repeat(None))) and \
-                all(map(Tensor.is_set_to, grads, self._grad_layouts)):
-            return  # the common case, checked at C speed
-        for i, (p, g, layout) in enumerate(zip(self.params, grads, self._grad_layouts)):
+        try:  # the common case, checked in one pass at C speed
+            if all(map(Tensor.is_set_to, map(_grad, self.params), self._grad_layouts)):
+                return
+        except TypeError:  # a None grad
+            pass
+        for i, (p, layout) in enumerate(zip(self.params, self._grad_layouts)):
+            g = p.grad
             if g is not None and g.is_set_to(layout):
                 continue
             view = self.grad_views[i] = layout.view(layout.shape)  # a new view: the old one may be re-laid

@@ -259,7 +259,7 @@ class Plan:
             state = state_map.get(p)
             if state is None:
                 state = state_map.fresh_dict(p)
-            if isinstance(fill, Tensor):
+            if isinstance(fill, (Tensor, storage.QuantizedState)):
                 value.copy_(fill)
             elif fill is not None:
                 value.fill_(fill)
@@ -486,14 +486,15 @@ def _build_flat(plan: Plan, rule, group: dict, fb: FlatBucket, names: list[str],
     tail_format = {n: formats[n][-1] for n in names} if start < len(fb.params) else {}
     views = {n: fb.state_views(n, start, torch.bfloat16 if fmt.bits == 16 else None)
              for n, fmt in tail_format.items()}
+    pools = {n: fb.pooled_states(n, [f if f.quantized else None for f in formats[n][:start]]) for n in names}
     fills = {name: rule.initial_value(name, group) for name in names}
     counts, tensors = [], []
     for i, p in enumerate(fb.params):
         def make(name, value, i=i, p=p):
             adopted = None if value is None else _adopt(value, p, formats[name][i], name, param_index(p))
-            if i < start:  # kept apart, as without flat mode
+            if i < start and pools[name][i] is None:  # kept apart, as without flat mode
                 return (storage.make(p, formats[name][i], fills[name]) if value is None else adopted), None
-            view = views[name][i]
+            view = pools[name][i] if i < start else views[name][i]  # a quantized state's pooled codes and absmax
             return view, (fills[name] if value is None else None if value is view else adopted)
         ts, count = _param_states(plan, p, plan.state_map.get(p), names, rule.exports_step, make, param_index)
         counts.append((count, _host(plan, rule, group, p, plan.state_map.get(p))))

@@ -791,6 +791,10 @@ class Table:
         self.table = torch.tensor(rows_table, dtype=torch.int64)
         self.blocks = first
         self.grad_addresses = [row[GRAD_COLUMN] for row in rows_table]
+        # one state tensor per storage is watched: states that share one (flat mode's pooled codes and absmax)
+        # move together, and the one watched keeps the storage, and so the others' memory, alive
+        by_storage = {t.untyped_storage()._cdata: t for t in self.state_tensors}
+        self.state_tensors = list(by_storage.values())
         self.state_addresses = list(map(Tensor.data_ptr, self.state_tensors))
 
     def states_moved(self) -> bool:

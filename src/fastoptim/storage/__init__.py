@@ -19,6 +19,7 @@ temporaries for the params it takes.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -249,6 +250,18 @@ class QuantizedState:
         self.codes.copy_(codes)
         self.absmax.copy_(absmax)
 
+    def copy_(self, src: "QuantizedState") -> None:
+        """``src``'s values into this state's own tensors (byte for byte where the formats match)."""
+        if src.fmt == self.fmt and src.shape == self.shape and not (src.is_sharded or self.is_sharded):
+            self.codes.copy_(src.codes)
+            self.absmax.copy_(src.absmax)
+        else:
+            self.store(src.dequantize())
+
+    def fill_(self, value: float) -> None:
+        """Every element ``value``, as ``make`` starts a state."""
+        self.store(torch.full(self.shape, value, dtype=torch.float32, device=self.device))
+
     @property
     def device(self) -> torch.device:
         return self.codes.device
@@ -282,6 +295,29 @@ def make(p: Tensor, fmt: Format, value: float) -> Tensor | QuantizedState:
         return QuantizedState.of(torch.full(local.shape, value, dtype=torch.float32, device=local.device),
                                  fmt).sharded_like(p)
     return QuantizedState.of(torch.full(p.shape, value, dtype=torch.float32, device=p.device), fmt)
+
+
+def pooled(shapes: list[torch.Size], formats: list[Format | None], device,
+           buffers: tuple[Tensor, Tensor] | None = None) -> tuple[list, tuple[Tensor, Tensor]]:
+    """New quantized states (their values unset, or those of ``buffers`` given by an earlier call), one per
+    shape in its format (None: no state), whose codes and absmax are views of one codes buffer and one absmax
+    buffer: a check of those two buffers' addresses covers them all (``share_memory_()`` or a resize moves a
+    buffer, views and all). Returns (states, buffers)."""
+    sizes = [(math.prod(quant.codes_shape(s, f.bits)), math.prod(quant.absmax_shape(s, f.block)))
+             if f is not None else (0, 0) for s, f in zip(shapes, formats)]
+    codes, absmax = buffers or (torch.empty(sum(c for c, _ in sizes), dtype=torch.uint8, device=device),
+                                torch.empty(sum(a for _, a in sizes), dtype=torch.float32, device=device))
+    states, at_codes, at_absmax = [], 0, 0
+    for shape, fmt, (n_codes, n_absmax) in zip(shapes, formats, sizes):
+        if fmt is None:
+            states.append(None)
+            continue
+        states.append(QuantizedState(codes[at_codes:at_codes + n_codes].view(quant.codes_shape(shape, fmt.bits)),
+                                     absmax[at_absmax:at_absmax + n_absmax].view(quant.absmax_shape(shape, fmt.block)),
+                                     fmt, torch.Size(shape)))
+        at_codes += n_codes
+        at_absmax += n_absmax
+    return states, (codes, absmax)
 
 
 def adopt(value: Any, p: Tensor, fmt: Format) -> Tensor | QuantizedState:
