@@ -647,6 +647,27 @@ def test_flat_pooled_states_are_watched_as_one_and_a_replaced_one_is_copied_in()
     assert len(indices) == 6 and len(table.state_tensors) == 4  # codes and absmax of two states
 
 
+@pytest.mark.parametrize("bits", [32, 8])
+def test_flat_states_swapped_between_params_are_swapped(bits):
+    """Two params' states swapped by the user: flat mode copies each into the other's place in the buffers, and
+    the first copy must not overwrite what the second reads (both lie on the buffers)."""
+    def run(flat):
+        torch.manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(32, 64)) for _ in range(3)]
+        opt = fastoptim.AdamW(params, lr=0.01, flat=flat, state_bits=bits, min_quant_size=0)
+        for step in range(3):
+            for p in params:
+                p.grad = torch.randn_like(p)
+            if step == 2:
+                a, b = opt.state[params[0]], opt.state[params[2]]
+                a["exp_avg"], b["exp_avg"] = b["exp_avg"], a["exp_avg"]
+            opt.step()
+        return params
+
+    for a, b in zip(run(True), run(False)):
+        assert torch.equal(a, b) if bits == 8 else torch.allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
 def test_flat_zero_grad_zeroes_a_replaced_grad():
     p = torch.nn.Parameter(torch.randn(4, 4))
     opt = fastoptim.AdamW([p], flat=True)

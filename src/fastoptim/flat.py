@@ -107,7 +107,7 @@ class FlatBucket:
         here), the codes and absmax of them all views of one buffer each (``storage.pooled``): the kernel's
         check that no state moved then reads two addresses instead of two per param. Made on first use and anew
         when the formats change; the same objects every call (the plan tells by identity whether a param's
-        state still is its pooled one, and copies a replaced one in)."""
+        state still is its pooled one, and copies a replaced one in, as it does into the tail's buffers)."""
         layout = tuple(formats)
         pool = self._pools.get(name)
         if pool is None or pool[0] != layout:
@@ -153,9 +153,6 @@ class FlatBucket:
         for name, buffer in self.state_buffers.items():
             start = self._state_layouts[name][0]
             self._state_views[name] = [None] * start + self.views(buffer, start)
-        for name, (layout, _, buffers) in self._pools.items():  # new objects on the same buffers
-            self._pools[name] = (layout, *storage.pooled([p.shape for p in self.params[:len(layout)]], list(layout),
-                                                         self.device, buffers))
         self.repair_grads()
 
     def repair_grads(self) -> None:

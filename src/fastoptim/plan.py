@@ -255,7 +255,7 @@ class Plan:
         for fb in self.rehome:
             fb.rehome()
         self.rehome.clear()
-        for p, name, value, fill in self.pending:
+        for p, name, value, fill in _unaliased(self.pending):
             state = state_map.get(p)
             if state is None:
                 state = state_map.fresh_dict(p)
@@ -292,6 +292,27 @@ class Plan:
                         setitem(state, name, value)
         return [(bucket.owners, bucket.dicts, created, dict(zip(names, bucket.host_before)), rule.exports_step)
                 for bucket in self.buckets]
+
+
+def _memory(x: Tensor | storage.QuantizedState) -> list[int]:
+    return [t.untyped_storage()._cdata for t in ((x.codes, x.absmax) if isinstance(x, storage.QuantizedState) else (x,))]
+
+
+def _unaliased(pending: list[tuple]) -> list[tuple]:
+    """``pending`` with each value to copy that lies on memory some copy writes taken first (one param's state
+    given another's, flat mode's views swapped: the first copy would overwrite what the second reads)."""
+    copied = [i for i, entry in enumerate(pending) if isinstance(entry[3], (Tensor, storage.QuantizedState))]
+    if len(copied) < 2:
+        return pending
+    written = {m for i in copied for m in _memory(pending[i][2])}
+    pending = list(pending)
+    for i in copied:
+        p, name, value, fill = pending[i]
+        if written.intersection(_memory(fill)):
+            fill = fill.clone() if isinstance(fill, Tensor) else storage.QuantizedState(
+                fill.codes.clone(), fill.absmax.clone(), fill.fmt, fill.shape)
+            pending[i] = (p, name, value, fill)
+    return pending
 
 
 def take_back(state_map: StateMap, taken: list) -> None:

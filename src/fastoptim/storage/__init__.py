@@ -297,16 +297,14 @@ def make(p: Tensor, fmt: Format, value: float) -> Tensor | QuantizedState:
     return QuantizedState.of(torch.full(p.shape, value, dtype=torch.float32, device=p.device), fmt)
 
 
-def pooled(shapes: list[torch.Size], formats: list[Format | None], device,
-           buffers: tuple[Tensor, Tensor] | None = None) -> tuple[list, tuple[Tensor, Tensor]]:
-    """New quantized states (their values unset, or those of ``buffers`` given by an earlier call), one per
-    shape in its format (None: no state), whose codes and absmax are views of one codes buffer and one absmax
-    buffer: a check of those two buffers' addresses covers them all (``share_memory_()`` or a resize moves a
-    buffer, views and all). Returns (states, buffers)."""
+def pooled(shapes: list[torch.Size], formats: list[Format | None], device) -> tuple[list, tuple[Tensor, Tensor]]:
+    """New quantized states (their values unset), one per shape in its format (None: no state), whose codes
+    and absmax are views of one codes buffer and one absmax buffer: a check of those two buffers' addresses
+    covers them all (``share_memory_()`` or a resize moves a buffer, views and all). Returns (states, buffers)."""
     sizes = [(math.prod(quant.codes_shape(s, f.bits)), math.prod(quant.absmax_shape(s, f.block)))
              if f is not None else (0, 0) for s, f in zip(shapes, formats)]
-    codes, absmax = buffers or (torch.empty(sum(c for c, _ in sizes), dtype=torch.uint8, device=device),
-                                torch.empty(sum(a for _, a in sizes), dtype=torch.float32, device=device))
+    codes = torch.empty(sum(c for c, _ in sizes), dtype=torch.uint8, device=device)
+    absmax = torch.empty(sum(a for _, a in sizes), dtype=torch.float32, device=device)
     states, at_codes, at_absmax = [], 0, 0
     for shape, fmt, (n_codes, n_absmax) in zip(shapes, formats, sizes):
         if fmt is None:
