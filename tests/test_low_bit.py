@@ -533,3 +533,29 @@ def test_the_compiled_level_on_the_cpu_runs_low_bit_state_through_the_fused_kern
         assert any("16/8/4 bits" in str(w.message) for w in caught) == routed
         results[routed] = ps
     assert_params_close(results[True], results[False])
+
+
+def test_pooled_states_are_disjoint_aligned_views_of_their_shapes():
+    """``storage.pooled`` (flat mode's head states): one view per quantized shape, of the codes and absmax shapes
+    of a state of its own, each 16-byte aligned in its buffer, none overlapping another."""
+    shapes = [(5, 33), (7,), (3, 4, 65), (2, 3, 4, 17), (1, 1)]
+    formats = [storage.Format(8), None, storage.Format(4, signed=False), storage.Format(8, signed=False),
+               storage.Format(4)]
+    states, (codes, absmax) = storage.pooled([torch.Size(s) for s in shapes], formats, "cpu")
+    spans = {"codes": [], "absmax": []}
+    for shape, fmt, state in zip(shapes, formats, states):
+        if fmt is None:
+            assert state is None
+            continue
+        own = storage.make(torch.zeros(shape), fmt, 0.0)
+        assert state.fmt == fmt and state.shape == own.shape
+        for kind, view, mine, buffer in (("codes", state.codes, own.codes, codes),
+                                         ("absmax", state.absmax, own.absmax, absmax)):
+            assert view.shape == mine.shape and view.dtype == mine.dtype and view.is_contiguous()
+            offset = view.data_ptr() - buffer.data_ptr()
+            assert view.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr() and offset % 16 == 0
+            assert offset + view.nbytes <= buffer.nbytes
+            spans[kind].append((offset, offset + view.nbytes))
+    for kind, span in spans.items():
+        span.sort()
+        assert all(end <= start for (_, end), (start, _) in zip(span, span[1:])), kind

@@ -300,11 +300,12 @@ def make(p: Tensor, fmt: Format, value: float) -> Tensor | QuantizedState:
 def pooled(shapes: list[torch.Size], formats: list[Format | None], device) -> tuple[list, tuple[Tensor, Tensor]]:
     """New quantized states (their values unset), one per shape in its format (None: no state), whose codes
     and absmax are views of one codes buffer and one absmax buffer: a check of those two buffers' addresses
-    covers them all (``share_memory_()`` or a resize moves a buffer, views and all). Returns (states, buffers)."""
+    covers them all (``share_memory_()`` or a resize moves a buffer, views and all). Returns (states, buffers).
+    Each view starts a multiple of 16 bytes into its buffer (the GPU kernel's vector loads)."""
     sizes = [(math.prod(quant.codes_shape(s, f.bits)), math.prod(quant.absmax_shape(s, f.block)))
              if f is not None else (0, 0) for s, f in zip(shapes, formats)]
-    codes = torch.empty(sum(c for c, _ in sizes), dtype=torch.uint8, device=device)
-    absmax = torch.empty(sum(a for _, a in sizes), dtype=torch.float32, device=device)
+    codes = torch.empty(sum(_aligned(c, 16) for c, _ in sizes), dtype=torch.uint8, device=device)
+    absmax = torch.empty(sum(_aligned(a, 4) for _, a in sizes), dtype=torch.float32, device=device)
     states, at_codes, at_absmax = [], 0, 0
     for shape, fmt, (n_codes, n_absmax) in zip(shapes, formats, sizes):
         if fmt is None:
@@ -313,9 +314,13 @@ def pooled(shapes: list[torch.Size], formats: list[Format | None], device) -> tu
         states.append(QuantizedState(codes[at_codes:at_codes + n_codes].view(quant.codes_shape(shape, fmt.bits)),
                                      absmax[at_absmax:at_absmax + n_absmax].view(quant.absmax_shape(shape, fmt.block)),
                                      fmt, torch.Size(shape)))
-        at_codes += n_codes
-        at_absmax += n_absmax
+        at_codes += _aligned(n_codes, 16)
+        at_absmax += _aligned(n_absmax, 4)
     return states, (codes, absmax)
+
+
+def _aligned(n: int, unit: int) -> int:
+    return -(-n // unit) * unit
 
 
 def adopt(value: Any, p: Tensor, fmt: Format) -> Tensor | QuantizedState:
