@@ -258,3 +258,18 @@ def test_bench_low_bit_peers_sit_beside_ours_with_exact_state_bytes_per_param(mo
         assert row["error"] is None and row["state_bits"] == {r.label: r.state_bits for r in rows}[label]
         assert row["state_bytes"] == state_bytes, (label, row["state_bytes"], state_bytes)
         assert row["state_bytes_per_param"] == state_bytes / n
+
+
+def test_curves_runs_flat_levels_at_low_widths(tmp_path):
+    """A flat level at 8 bits is a run of its own beside the flat 32-bit one, and it draws the non-flat 8-bit
+    curve (the quantized states are the same bits; the plain tail agrees to fp32 rounding)."""
+    out_json = tmp_path / "c.json"
+    assert main(["curves", "-o", "adamw", "--impl", "fused", "--flat", "fused", "--steps", "12", "--state-bits", "8",
+                 "--rounding", "stochastic", "--out", str(tmp_path / "c.png"), "--json", str(out_json)]) == 0
+    data = json.loads(out_json.read_text())
+    gaps = {d["curve"]: d for d in data["precision_gaps"]}
+    assert set(gaps) == {"fused 8-bit state", "fused flat 8-bit state", "fused bf16 params, stochastic"}
+    assert gaps["fused flat 8-bit state"]["reference"] == "fused flat"
+    losses = {c["curve"]: c["losses"] for c in data["curves"]}
+    assert losses["fused flat 8-bit state"] != losses["fused flat"]
+    assert max(abs(a - b) for a, b in zip(losses["fused flat 8-bit state"], losses["fused 8-bit state"])) < 1e-5

@@ -106,16 +106,19 @@ def train(name: str, make_optimizer, steps: int, seed: int, batch_size: int = 64
 
 def precision_runs(impls: list[str], flat_impls: list[str], state_bits=(), roundings=()) -> list[dict]:
     """Every fastoptim run of ``run``, in order: each level (and each flat level) at 32-bit state and fp32 params,
-    then each non-flat level again at each of ``state_bits`` (fp32 params), and with bf16 params rounded by
-    each of ``roundings`` (state kept as torch keeps it: in the params' dtype). Flat mode keeps 32-bit state
-    and rounds to nearest, so it has no such runs."""
+    then each level (and each flat level) again at each of ``state_bits`` (fp32 params), and each non-flat level
+    with bf16 params rounded by each of ``roundings`` (state kept as torch keeps it: in the params' dtype; flat
+    mode rounds to nearest only, so it has no such runs)."""
+    levels = [(i, False) for i in impls] + [(i, True) for i in flat_impls]
     runs = [dict(level=f"{i} flat" if flat else i, impl=i, flat=flat, state_bits=32, params="fp32",
-                 rounding="nearest") for i, flat in [(i, False) for i in impls] + [(i, True) for i in flat_impls]]
-    for impl in impls:
-        runs += [dict(level=impl, impl=impl, flat=False, state_bits=bits, params="fp32", rounding="nearest")
+                 rounding="nearest") for i, flat in levels]
+    for impl, flat in levels:
+        level = f"{impl} flat" if flat else impl
+        runs += [dict(level=level, impl=impl, flat=flat, state_bits=bits, params="fp32", rounding="nearest")
                  for bits in state_bits if bits != 32]
-        runs += [dict(level=impl, impl=impl, flat=False, state_bits=32, params="bf16", rounding=r)
-                 for r in roundings]
+        if not flat:
+            runs += [dict(level=level, impl=impl, flat=False, state_bits=32, params="bf16", rounding=r)
+                     for r in roundings]
     return runs
 
 
