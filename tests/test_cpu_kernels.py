@@ -376,7 +376,7 @@ def _simd_width_expected(extra) -> int:
     """What ``fo_simd_width()`` must say for a build with these flags, from the compiler's own macros."""
     done = subprocess.run([cpu_kernels.compiler(), "-march=native", *extra, "-dM", "-E", "-x", "c++", os.devnull],
                           capture_output=True, text=True, check=True)
-    if all(f"__{isa}__" in done.stdout for isa in ("AVX512F", "AVX512BW", "AVX512VL", "AVX512VBMI")):
+    if all(f"__{isa}__" in done.stdout for isa in ("AVX512F", "AVX512BW", "AVX512VL", "AVX512DQ", "AVX512VBMI")):
         return 512
     return 256 if "__AVX2__" in done.stdout else 0
 
@@ -485,7 +485,7 @@ def test_each_build_steps_byte_for_byte_like_the_oracle(build, bits):
 
 
 def test_the_cell_tables_cover_the_8_bit_maps_and_hold_one_boundary_a_cell():
-    """The AVX-512 encoder's tables exist for both 8-bit maps (else it falls back to gathers: slower)."""
+    """The AVX-512 encoder's tables exist for both 8-bit maps (else it reads the encoder's table lane by lane: slower)."""
     for signed in (True, False):
         qmap = storage.quant.dynamic(8, signed)
         tables = cpu_kernels.cell_tables(qmap)
@@ -516,3 +516,30 @@ def test_a_grad_of_another_dtype_after_the_first_step_is_not_read_as_fp32():
         runs[impl] = p.detach()
     assert torch.isfinite(runs["fused"]).all()
     torch.testing.assert_close(runs["fused"], runs["loop"], rtol=1e-5, atol=1e-6)
+
+
+# the AVX-512 build's instruction sets, named outright: a machine without them (a Zen 3, say) still compiles it
+AVX512_FLAGS = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vbmi")
+
+
+@pytest.mark.parametrize("bits", (8, 4))
+def test_the_avx512_build_compiles_on_any_machine_with_its_byte_permutes(bits, tmp_path):
+    """Where this CPU lacks AVX-512 the builds above cannot run it, so its source is at least compiled here for
+    those instruction sets (as for a Zen 4): it must build, say 512 bits, and use the codec's byte permutes (8
+    bits: VBMI two-table permutes; 4 bits: the one-register permute of the map)."""
+    from fastoptim.rules.adam import adam_update
+
+    formats = (storage.Format(bits, True), storage.Format(bits, False), None)
+    source = tmp_path / "kernel.cpp"
+    source.write_text(cpu_kernels.kernel_source(adam_update, (False, True, True, False), formats, 8, False))
+    flags = [f for f in cpu_kernels.CXXFLAGS if f not in ("-shared", "-fPIC")]
+    done = subprocess.run([cpu_kernels.compiler(), *flags, *AVX512_FLAGS, "-S", str(source), "-o", "-"],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assembly = done.stdout
+    width = assembly[assembly.index("fo_simd_width:"):][:400]
+    assert "$512" in width
+    if bits == 8:
+        assert "vpermt2b" in assembly or "vpermi2b" in assembly
+    else:
+        assert "vpermps" in assembly and "zmm" in assembly
