@@ -285,6 +285,20 @@ static inline __m256i encode_lanes(__m256 x, __m256 d, const uint32_t* lut) {
 }
 #endif
 
+#ifdef FO_AVX2
+// quant.linear_no_zero's codes of x / d by its exact formula (the reasoning is encode4's, AVX-512 branch)
+template <uint32_t HIGHEST>
+static inline __m256i linear_lanes(__m256 x, __m256 d) {
+    const __m256i magnitude = _mm256_set1_epi32(0x7FFFFFFF);
+    const __m256i u = _mm256_castps_si256(_mm256_div_ps(x, d));
+    const __m256i m = _mm256_min_epu32(_mm256_and_si256(u, magnitude), _mm256_set1_epi32((int32_t)HIGHEST));
+    const __m256 y = _mm256_castsi256_ps(_mm256_or_si256(m, _mm256_andnot_si256(magnitude, u)));  // m's bits, u's sign
+    const __m256 t = _mm256_sub_ps(_mm256_mul_ps(y, _mm256_set1_ps(16.0f)), _mm256_set1_ps(1.5f));
+    const __m256i code = _mm256_cvtps_epi32(_mm256_round_ps(t, _MM_FROUND_TO_POS_INF | _MM_FROUND_NO_EXC));
+    return _mm256_min_epi32(_mm256_max_epi32(code, _mm256_setzero_si256()), _mm256_set1_epi32(15));
+}
+#endif
+
 // 8-bit codes of x / divisor, one a byte
 template <int SHIFT, uint32_t LOWEST, uint32_t HIGHEST, int32_t HALF, bool CELLS>
 static inline void encode8(const float* x, int64_t n, float divisor, const Codec& codec, uint8_t* c) {
@@ -411,7 +425,8 @@ static inline void encode4(const float* x, int64_t n, float divisor, const Codec
     for (; i + 16 <= n; i += 16) {  // 16 codes: pairs (one 64-bit lane each) to bytes, low code | high code << 4
         __m256i pairs[2];
         for (int h = 0; h < 2; ++h) {
-            const __m256i code = encode_lanes<SHIFT, LOWEST, HIGHEST, HALF>(_mm256_loadu_ps(x + i + 8 * h), d, codec.lut);
+            const __m256 xs = _mm256_loadu_ps(x + i + 8 * h);
+            const __m256i code = LINEAR ? linear_lanes<HIGHEST>(xs, d) : encode_lanes<SHIFT, LOWEST, HIGHEST, HALF>(xs, d, codec.lut);
             pairs[h] = _mm256_permutevar8x32_epi32(_mm256_or_si256(code, _mm256_srli_epi64(code, 28)), even);
         }
         const __m128i words = _mm_packus_epi32(_mm256_castsi256_si128(pairs[0]), _mm256_castsi256_si128(pairs[1]));
