@@ -8,7 +8,7 @@ import torch
 
 import fastoptim
 from conftest import FLAT, assert_params_close, assert_state_close, clone_params, shapes_for
-from fastoptim import plan
+from fastoptim import plan, storage
 from fastoptim.levels import LEVELS, record_paths
 from fastoptim.registry import OPTIMIZERS
 from fastoptim.reference import reference_class, reference_kwargs
@@ -647,20 +647,34 @@ def test_flat_pooled_states_are_watched_as_one_and_a_replaced_one_is_copied_in()
     assert len(indices) == 6 and len(table.state_tensors) == 4  # codes and absmax of two states
 
 
-@pytest.mark.parametrize("bits", [32, 8])
-def test_flat_states_swapped_between_params_are_swapped(bits):
-    """Two params' states swapped by the user: flat mode copies each into the other's place in the buffers, and
-    the first copy must not overwrite what the second reads (both lie on the buffers)."""
+def _swap(state, params):
+    a, b = state[params[0]], state[params[2]]
+    a["exp_avg"], b["exp_avg"] = b["exp_avg"], a["exp_avg"]
+
+
+def _move(state, params):  # param 2 takes param 0's moment, and param 0 starts afresh
+    state[params[2]]["exp_avg"] = state[params[0]]["exp_avg"]
+    del state[params[0]]["exp_avg"]
+
+
+def _transpose(state, params):  # a state given its own view re-laid (the params are square)
+    state[params[1]]["exp_avg"] = state[params[1]]["exp_avg"].t()
+
+
+@pytest.mark.parametrize("edit, bits", [(_swap, 32), (_swap, 8), (_move, 32), (_move, 8), (_transpose, 32)])
+def test_flat_states_moved_between_params_are_copied_before_anything_overwrites_them(edit, bits):
+    """States the user swaps, moves (and deletes at their old param) or re-lays: flat mode copies each into its
+    param's place in the buffers, and no copy or fill may first overwrite what another copy reads (they all lie
+    on the buffers). Flat mode must step as the same edit does without it."""
     def run(flat):
         torch.manual_seed(0)
-        params = [torch.nn.Parameter(torch.randn(32, 64)) for _ in range(3)]
+        params = [torch.nn.Parameter(torch.randn(64, 64)) for _ in range(3)]
         opt = fastoptim.AdamW(params, lr=0.01, flat=flat, state_bits=bits, min_quant_size=0)
-        for step in range(3):
+        for step in range(4):
             for p in params:
                 p.grad = torch.randn_like(p)
             if step == 2:
-                a, b = opt.state[params[0]], opt.state[params[2]]
-                a["exp_avg"], b["exp_avg"] = b["exp_avg"], a["exp_avg"]
+                edit(opt.state, params)
             opt.step()
         return params
 
@@ -691,3 +705,35 @@ def test_the_cpu_kernel_keeps_no_grad_alive_after_zero_grad():
     grad = weakref.ref(p.grad)
     opt.zero_grad()
     assert grad() is None
+
+
+@pytest.mark.parametrize("moved", [0, 1])
+def test_states_a_user_keeps_on_one_storage_are_each_watched(moved):
+    """Outside flat mode the states are the user's: two params' codes that the user put on one buffer of their
+    own are watched one by one by the kernel's table, so one of them re-pointed in place (``codes.data = x``) is
+    followed, and the state the user reads is the one the kernel writes."""
+    def run(share):
+        torch.manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(32, 64)) for _ in range(2)]
+        opt = fastoptim.AdamW(params, lr=0.01, state_bits=8, min_quant_size=0)
+        for step in range(4):
+            for p in params:
+                p.grad = torch.randn_like(p)
+            if step == 1 and share:
+                buffer = torch.empty(2 * 32 * 64, dtype=torch.uint8)
+                for k, p in enumerate(params):
+                    old = opt.state[p]["exp_avg"]
+                    view = buffer[k * 2048:(k + 1) * 2048].view(32, 64)
+                    view.copy_(old.codes)
+                    opt.state[p]["exp_avg"] = storage.QuantizedState(view, old.absmax, old.fmt, old.shape)
+            with record_paths() as paths:
+                opt.step()
+            assert paths == ["cpu_kernel"]
+            if step == 1:
+                codes = opt.state[params[moved]]["exp_avg"].codes
+                codes.data = codes.clone()
+        return params, [opt.state[p]["exp_avg"].codes.clone() for p in params]
+
+    (shared_p, shared_codes), (own_p, own_codes) = run(True), run(False)
+    for a, b in zip(shared_p + shared_codes, own_p + own_codes):
+        assert torch.equal(a, b)

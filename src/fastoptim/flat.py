@@ -120,6 +120,10 @@ class FlatBucket:
         pool = self._pools.get(name)
         return None if pool is None else pool[2]
 
+    def pool_buffers(self) -> tuple[Tensor, ...]:
+        """Every codes and absmax buffer of the pooled states."""
+        return tuple(buffer for _, _, buffers in self._pools.values() for buffer in buffers)
+
     def head_grads(self, start: int) -> list[Tensor]:
         """The grad views of the first ``start`` params, as one list object for as long as the views stay the
         same (``repair_grads`` makes a new view, and a new list, for any it finds changed): a level may keep what

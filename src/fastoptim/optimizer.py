@@ -297,7 +297,8 @@ class FastOptimizer(torch.optim.Optimizer):
         bits, _, rounding = self._storage_settings(group)
         for bucket in step_plan.buckets:
             level_bucket = Bucket(bucket.params, bucket.grads(grads), bucket.states, bucket.cache,
-                                  bucket.owners if rule.stages and bucket.convert else None)
+                                  bucket.owners if rule.stages and bucket.convert else None,
+                                  pools=bucket.head.pool_buffers() if bucket.head is not None else ())
             run = run or (partial(stages.run, self.impl) if rule.stages else levels.level(self.impl, level_bucket.device))
             rounded = storage.rounds_in_fp32(bucket.params[0].dtype, rounding)
             if bucket.staged is None:  # plain formats are checked to be the param's dtype: never staged

@@ -299,12 +299,15 @@ def _memory(x: Tensor | storage.QuantizedState) -> list[int]:
 
 
 def _unaliased(pending: list[tuple]) -> list[tuple]:
-    """``pending`` with each value to copy that lies on memory some copy writes taken first (one param's state
-    given another's, flat mode's views swapped: the first copy would overwrite what the second reads)."""
+    """``pending`` with each value to copy that lies on memory some entry writes (by a copy or a fill) taken first:
+    in flat mode one param's state given another's and the other's deleted (its fill would zero what the copy
+    reads), views swapped (the first copy would overwrite what the second reads), or a state given its own
+    view re-laid (``s["exp_avg"] = s["exp_avg"].t()``: a copy onto itself)."""
     copied = [i for i, entry in enumerate(pending) if isinstance(entry[3], (Tensor, storage.QuantizedState))]
-    if len(copied) < 2:
+    if not copied:
         return pending
-    written = {m for i in copied for m in _memory(pending[i][2])}
+    written = {m for _, _, value, fill in pending if fill is not None
+               and isinstance(value, (Tensor, storage.QuantizedState)) for m in _memory(value)}
     pending = list(pending)
     for i in copied:
         p, name, value, fill = pending[i]

@@ -32,6 +32,9 @@ class Bucket:
     # the DTensors whose local shards ``params`` are (None: every param is whole here): per-tensor stages gather
     # each whole tensor on one rank (``sharded``); elementwise math runs on the shards as they are
     sharded: list | None = None
+    # flat mode's buffers that many of the states are views of (``storage.pooled``): a kernel's table watches each
+    # such storage once (they move whole), every other state tensor on its own
+    pools: tuple = ()
 
     @property
     def device(self) -> torch.device:

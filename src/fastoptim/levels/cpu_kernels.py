@@ -810,7 +810,9 @@ class Table:
     new table); grads may be new tensors every step, so their addresses are checked, at C speed, each step,
     and so are the states' (``share_memory_()`` moves a state's storage in place: ``states_moved``)."""
 
-    def __init__(self, params: list[Tensor], grads: list[Tensor], states: list[list | None], formats: tuple):
+    def __init__(self, params: list[Tensor], grads: list[Tensor], states: list[list | None], formats: tuple,
+                 pools: Sequence[Tensor] = ()):
+        """``pools``: buffers that states are views of (flat mode's), each watched once instead of each view."""
         self.formats = formats
         fmt = next(f for f in formats if f is not None)
         rows_table, first, self.state_tensors = [], 0, []
@@ -829,10 +831,15 @@ class Table:
         self.table = torch.tensor(rows_table, dtype=torch.int64)
         self.blocks = first
         self.grad_addresses = [row[GRAD_COLUMN] for row in rows_table]
-        # one state tensor per storage is watched: states that share one (flat mode's pooled codes and absmax)
-        # move together, and the one watched keeps the storage, and so the others' memory, alive
-        by_storage = {t.untyped_storage()._cdata: t for t in self.state_tensors}
-        self.state_tensors = list(by_storage.values())
+        # states on a pool's storage move together: one of them is watched, and keeps the storage (and so the
+        # others' memory) alive; any other state is watched on its own (a user's states may share a storage and
+        # one of them be re-pointed: it must be seen)
+        pooled = {t.untyped_storage()._cdata for t in pools}
+        watched = {}
+        for t in self.state_tensors:
+            key = t.untyped_storage()._cdata
+            watched.setdefault(("pool", key) if key in pooled else ("own", id(t)), t)
+        self.state_tensors = list(watched.values())
         self.state_addresses = list(map(Tensor.data_ptr, self.state_tensors))
 
     def states_moved(self) -> bool:

@@ -107,7 +107,7 @@ def _safe_path(rule, bucket: Bucket, group, step, scalars, flags, grad_mul, foun
 
 def _subset(bucket: Bucket, indices: list[int]) -> Bucket:
     return Bucket([bucket.params[i] for i in indices], [bucket.grads[i] for i in indices],
-                  [None if s is None else [s[i] for i in indices] for s in bucket.states])
+                  [None if s is None else [s[i] for i in indices] for s in bucket.states], pools=bucket.pools)
 
 
 _kernel_warned: set = set()
@@ -153,7 +153,7 @@ def run_stored(rule, bucket: Bucket, group: dict, step: int, scalars: tuple, fla
         tables = []
         for formats, indices in by_formats.items():
             part = _subset(bucket, indices)
-            tables.append((cpu_kernels.Table(part.params, part.grads, part.states, formats), indices))
+            tables.append((cpu_kernels.Table(part.params, part.grads, part.states, formats, bucket.pools), indices))
         cached = (grads_seen, tables, rest, None)
     bucket.cache["cpu_kernel"] = cached = cached[:3] + (bucket.grads if isinstance(bucket.grads, GradViews) else None,)
     _, tables, rest, _ = cached
