@@ -737,3 +737,26 @@ def test_states_a_user_keeps_on_one_storage_are_each_watched(moved):
     (shared_p, shared_codes), (own_p, own_codes) = run(True), run(False)
     for a, b in zip(shared_p + shared_codes, own_p + own_codes):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("flat, bits", [(False, 16), (False, 8), (True, 32), (True, 8)])
+def test_a_state_put_in_is_the_users_again_after_a_step_the_kernel_skipped(monkeypatch, flat, bits):
+    """A tensor put in as a state is converted by the next step (to its 16/8/4-bit format, or copied into flat
+    mode's buffers); where the kernel skips that step by itself (GradScaler found inf), the step is taken back
+    whole: the state is the tensor put in again, unrounded, and the next real step converts it."""
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(32, 64)), torch.nn.Parameter(torch.randn(5))]
+    opt = fastoptim.AdamW(params, impl="fused", flat=flat, lr=1e-2, state_bits=bits, min_quant_size=0)
+    g = torch.Generator().manual_seed(1)
+    _scaler_steps(opt, params, g, [False])
+    put = torch.rand(32, 64) + 0.1234567
+    opt.state[params[0]]["exp_avg_sq"] = put
+    with record_paths() as paths:
+        _scaler_steps(opt, params, g, [True])
+    assert any(path.startswith("triton") for path in paths)
+    assert opt.state[params[0]]["exp_avg_sq"] is put and opt.state[params[0]]["step"] == 1
+    _scaler_steps(opt, params, g, [False])
+    kept = opt.state[params[0]]["exp_avg_sq"]
+    assert kept is not put and opt.state[params[0]]["step"] == 2

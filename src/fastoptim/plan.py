@@ -229,6 +229,7 @@ class Plan:
     buckets: list[PlanBucket] = field(default_factory=list)
     reusable: bool = True
     created: dict[int, tuple] = field(default_factory=dict)  # id(param) -> the state entries the step makes
+    replaced: dict[int, dict] = field(default_factory=dict)  # id(param) -> {name: the state the step converts}
     pending: list[tuple] = field(default_factory=list)       # (param, name, tensor, fill) put in at commit
     rehome: list[FlatBucket] = field(default_factory=list)   # flat buckets whose params' .data was replaced
     layouts: list[tuple] = field(default_factory=list)       # each param's (address, strides, shape)
@@ -277,6 +278,7 @@ class Plan:
         """Count one step for every bucket (and move the rule's ``host_states`` with it, from ``group``'s
         hyper-parameters of this step); returns what ``take_back`` needs if the kernels skip it."""
         created, self.created = self.created, {}
+        replaced, self.replaced = self.replaced, {}
         setitem = dict.__setitem__  # the plan's own bookkeeping: not counted as a change
         names = rule.host_states
         for bucket in self.buckets:
@@ -290,8 +292,8 @@ class Plan:
                 for state in bucket.dicts:
                     for name, value in zip(names, bucket.host):
                         setitem(state, name, value)
-        return [(bucket.owners, bucket.dicts, created, dict(zip(names, bucket.host_before)), rule.exports_step)
-                for bucket in self.buckets]
+        return [(bucket.owners, bucket.dicts, created, replaced, dict(zip(names, bucket.host_before)),
+                 rule.exports_step) for bucket in self.buckets]
 
 
 def _memory(x: Tensor | storage.QuantizedState) -> list[int]:
@@ -319,15 +321,18 @@ def _unaliased(pending: list[tuple]) -> list[tuple]:
 
 
 def take_back(state_map: StateMap, taken: list) -> None:
-    """A step the kernels skipped: counters go back one; the states the step created go away, as if it
-    never ran (torch.optim has no state for a param before its first step)."""
-    for owners, dicts, created, host_before, exports_step in taken:
+    """A step the kernels skipped: counters go back one; the states the step created go away and those it
+    converted (a tensor the user put in, kept at 16/8/4 bits or copied into flat mode's buffers) are the user's
+    again, as if it never ran (torch.optim has no state for a param before its first step)."""
+    for owners, dicts, created, replaced, host_before, exports_step in taken:
         for p, state in zip(owners, dicts):
             if state is None:
                 continue
             made = created.get(id(p), ())
             for name in made:
                 state.pop(name, None)
+            for name, value in replaced.get(id(p), {}).items():
+                state[name] = value
             if exports_step and "step" not in made:
                 state["step"] = state["step"] - 1
             for name, value in host_before.items():
@@ -427,6 +432,7 @@ def _param_states(plan: Plan, p: Tensor, state: dict | None, names: list[str], e
             plan.pending.append((p, name, target, fill))
         elif target is not value:  # converted to its format, or (flat mode) copied into its view
             plan.pending.append((p, name, target, fill))
+            plan.replaced.setdefault(id(p), {})[name] = value
         tensors.append(target)
     count = 0 if created and not exports_step else _count(state, exports_step)
     if exports_step and (state is None or "step" not in state):
