@@ -6,6 +6,7 @@ import sys
 
 import pytest
 
+from fastoptim.bench import report as bench_report
 from fastoptim.bench.peers import installed
 from fastoptim.cli import main
 
@@ -20,6 +21,9 @@ def test_bench_quick_writes_json_and_markdown(tmp_path, capsys):
     assert data["schema_version"] == 1 and set(data) == {"schema_version", "environment", "config", "results",
                                                          "schedulers"}
     assert {r["workload"] for r in data["results"]} == {"mlp2000", "flat"}
+    from fastoptim.levels import cpu_kernels
+    env = data["environment"]  # where it ran, the CPU kernel's build included (it sets low-bit speed)
+    assert env["cpu_kernel_simd_bits"] == cpu_kernels.simd_width() in (512, 256, 0) and env["cpu"]
     for result in data["results"]:
         assert set(result) == {"workload", "optimizer", "params", "tensors", "bytes_per_param", "gpu_estimate_ms",
                                "rows", "newton_schulz"}
@@ -35,7 +39,8 @@ def test_bench_quick_writes_json_and_markdown(tmp_path, capsys):
     assert {s["label"] for s in data["schedulers"]} >= {"torch OneCycleLR", "fastoptim OneCycle"}
     assert "| row |" in out_md.read_text()
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out_png.stat().st_size > 10_000
-    assert "flat floor" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "flat floor" in out and bench_report.environment_line(env) in out
 
 
 def test_bench_muon_reports_newton_schulz_flops_and_the_gemm_rate(tmp_path):

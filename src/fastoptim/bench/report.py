@@ -74,9 +74,31 @@ def _label(row) -> str:
     return row.label
 
 
+def cpu_name() -> str:
+    """The CPU's model name (Linux's /proc/cpuinfo), else what the platform says."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def environment() -> dict[str, Any]:
+    """Where the bench ran. ``cpu_kernel_simd_bits``: the width the CPU kernel's codec runs at here (512: AVX-512,
+    256: AVX2, 0: scalar, None: no kernel builds), which sets the speed of 16/8/4-bit state on the CPU."""
+    from ..levels import cpu_kernels
+
     return {"torch": torch.__version__, "python": platform.python_version(), "machine": platform.machine(),
-            "threads": torch.get_num_threads()}
+            "cpu": cpu_name(), "cpu_kernel_simd_bits": cpu_kernels.simd_width(), "threads": torch.get_num_threads()}
+
+
+def environment_line(env: dict[str, Any]) -> str:
+    simd = {512: "AVX-512", 256: "AVX2", 0: "scalar", None: "none (no C++ compiler)"}[env["cpu_kernel_simd_bits"]]
+    return (f"{env['cpu']} ({env['machine']}), {env['threads']} threads, torch {env['torch']}; "
+            f"CPU kernel build: {simd}")
 
 
 def write_json(path: str, results: list[dict], config: dict, schedulers: list[dict] | None = None) -> None:

@@ -121,6 +121,7 @@ def _run(args: argparse.Namespace) -> int:
             results.append(bench.to_dict(workload, optimizer, bench.numel(shapes), len(shapes), rows,
                                          _matmul(optimizer, shapes, device)))
     schedulers = None if args.no_schedulers else bench.time_schedulers(rounds=3 if args.quick else 7)
+    print(bench.environment_line(bench.environment()))
     bench.print_tables(results, schedulers)
     config = {k: v for k, v in vars(args).items() if k != "func"} | {"device": device}
     if args.json:

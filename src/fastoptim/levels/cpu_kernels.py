@@ -750,6 +750,17 @@ def available() -> str | None:
     return None
 
 
+@lru_cache(maxsize=1)
+def simd_width() -> int | None:
+    """The vector width in bits that this machine's kernels run the codec at: 512 (AVX-512), 256 (AVX2) or 0
+    (scalar); None where no kernel builds here."""
+    from ..rules.sgd import sgd_update
+
+    if available() is not None:
+        return None
+    return kernel(sgd_update, (False, False, True, False), (Format(16),), 5, False).fo_simd_width()
+
+
 @lru_cache(maxsize=None)
 def _map_pointers(formats: tuple) -> tuple:
     """Per state: the map's values and the encoder's table (kept alive here)."""
