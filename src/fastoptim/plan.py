@@ -229,7 +229,7 @@ class Plan:
     buckets: list[PlanBucket] = field(default_factory=list)
     reusable: bool = True
     created: dict[int, tuple] = field(default_factory=dict)  # id(param) -> the state entries the step makes
-    replaced: dict[int, dict] = field(default_factory=dict)  # id(param) -> {name: the state the step converts}
+    replaced: dict[int, dict] = field(default_factory=dict)  # id(param) -> {name: (state found, what replaces it)}
     pending: list[tuple] = field(default_factory=list)       # (param, name, tensor, fill) put in at commit
     rehome: list[FlatBucket] = field(default_factory=list)   # flat buckets whose params' .data was replaced
     layouts: list[tuple] = field(default_factory=list)       # each param's (address, strides, shape)
@@ -256,7 +256,11 @@ class Plan:
         for fb in self.rehome:
             fb.rehome()
         self.rehome.clear()
-        for p, name, value, fill in _unaliased(self.pending):
+        written = _written(self.pending)
+        for found in self.replaced.values():  # a state found on memory this commit writes cannot be given back
+            for name in [name for name, (value, _) in found.items() if written.intersection(_memory(value))]:
+                del found[name]
+        for p, name, value, fill in _unaliased(self.pending, written):
             state = state_map.get(p)
             if state is None:
                 state = state_map.fresh_dict(p)
@@ -300,7 +304,13 @@ def _memory(x: Tensor | storage.QuantizedState) -> list[int]:
     return [t.untyped_storage()._cdata for t in ((x.codes, x.absmax) if isinstance(x, storage.QuantizedState) else (x,))]
 
 
-def _unaliased(pending: list[tuple]) -> list[tuple]:
+def _written(pending: list[tuple]) -> set[int]:
+    """The storages that committing ``pending`` writes (by a copy or a fill)."""
+    return {m for _, _, value, fill in pending if fill is not None
+            and isinstance(value, (Tensor, storage.QuantizedState)) for m in _memory(value)}
+
+
+def _unaliased(pending: list[tuple], written: set[int]) -> list[tuple]:
     """``pending`` with each value to copy that lies on memory some entry writes (by a copy or a fill) taken first:
     in flat mode one param's state given another's and the other's deleted (its fill would zero what the copy
     reads), views swapped (the first copy would overwrite what the second reads), or a state given its own
@@ -308,8 +318,6 @@ def _unaliased(pending: list[tuple]) -> list[tuple]:
     copied = [i for i, entry in enumerate(pending) if isinstance(entry[3], (Tensor, storage.QuantizedState))]
     if not copied:
         return pending
-    written = {m for _, _, value, fill in pending if fill is not None
-               and isinstance(value, (Tensor, storage.QuantizedState)) for m in _memory(value)}
     pending = list(pending)
     for i in copied:
         p, name, value, fill = pending[i]
@@ -323,7 +331,9 @@ def _unaliased(pending: list[tuple]) -> list[tuple]:
 def take_back(state_map: StateMap, taken: list) -> None:
     """A step the kernels skipped: counters go back one; the states the step created go away and those it
     converted (a tensor the user put in, kept at 16/8/4 bits or copied into flat mode's buffers) are the user's
-    again, as if it never ran (torch.optim has no state for a param before its first step)."""
+    again, as if it never ran (torch.optim has no state for a param before its first step). A tensor put in
+    that lay on memory the step wrote (flat mode's views swapped between params) is not given back: the state
+    it was copied into holds its values."""
     for owners, dicts, created, replaced, host_before, exports_step in taken:
         for p, state in zip(owners, dicts):
             if state is None:
@@ -331,8 +341,9 @@ def take_back(state_map: StateMap, taken: list) -> None:
             made = created.get(id(p), ())
             for name in made:
                 state.pop(name, None)
-            for name, value in replaced.get(id(p), {}).items():
-                state[name] = value
+            for name, (value, converted) in replaced.get(id(p), {}).items():
+                if dict.get(state, name) is converted:  # (not where the user put another since)
+                    state[name] = value
             if exports_step and "step" not in made:
                 state["step"] = state["step"] - 1
             for name, value in host_before.items():
@@ -432,7 +443,7 @@ def _param_states(plan: Plan, p: Tensor, state: dict | None, names: list[str], e
             plan.pending.append((p, name, target, fill))
         elif target is not value:  # converted to its format, or (flat mode) copied into its view
             plan.pending.append((p, name, target, fill))
-            plan.replaced.setdefault(id(p), {})[name] = value
+            plan.replaced.setdefault(id(p), {})[name] = (value, target)
         tensors.append(target)
     count = 0 if created and not exports_step else _count(state, exports_step)
     if exports_step and (state is None or "step" not in state):
