@@ -738,13 +738,18 @@ def kernel(update: Callable, flags: tuple, formats: tuple, n_scalars: int, has_g
     return _library(kernel_source(update, flags, formats, n_scalars, has_grad_mul))
 
 
+def _probe() -> ctypes.CDLL:
+    """A tiny kernel (SGD, 16-bit state): what ``available`` and ``simd_width`` build to find out."""
+    from ..rules.sgd import sgd_update
+
+    return kernel(sgd_update, (False, False, True, False), (Format(16),), 5, False)
+
+
 @lru_cache(maxsize=1)
 def available() -> str | None:
     """None when kernels build here, else why not (checked once, on a tiny kernel)."""
-    from ..rules.sgd import sgd_update
-
     try:
-        kernel(sgd_update, (False, False, True, False), (Format(16),), 5, False)
+        _probe()
     except KernelUnavailable as e:
         return str(e)
     return None
@@ -754,11 +759,7 @@ def available() -> str | None:
 def simd_width() -> int | None:
     """The vector width in bits that this machine's kernels run the codec at: 512 (AVX-512), 256 (AVX2) or 0
     (scalar); None where no kernel builds here."""
-    from ..rules.sgd import sgd_update
-
-    if available() is not None:
-        return None
-    return kernel(sgd_update, (False, False, True, False), (Format(16),), 5, False).fo_simd_width()
+    return None if available() is not None else _probe().fo_simd_width()
 
 
 @lru_cache(maxsize=None)
