@@ -13,15 +13,14 @@ states are one bf16 buffer.
 
 from __future__ import annotations
 
-import operator
 from typing import Callable
 
 import torch
 from torch import Tensor
 
 from . import storage
+from .same_memory import all_set_to
 
-_grad = operator.attrgetter("grad")
 
 
 def same_layout(a: Tensor, b: Tensor) -> bool:
@@ -136,10 +135,10 @@ class FlatBucket:
         return self.param_buffer.data_ptr(), self.grad_buffer.data_ptr()
 
     def intact(self) -> bool:
-        """Whether every param's data still is its view of the buffer (one C-speed pass: ``p.data = ...``,
+        """Whether every param's data still is its view of the buffer (one C++ pass: ``p.data = ...``,
         ``p.t_()`` or a resize since, even at the same address, make it False), and the buffers lie where they
         did when the plan was made (``share_memory()`` moves a storage, views and all, in place)."""
-        return self.addresses() == self._where and all(map(Tensor.is_set_to, self.params, self.param_views))
+        return self.addresses() == self._where and all_set_to(self.params, self.param_views)
 
     def settle(self) -> None:
         """A plan was made on the buffers as they lie now."""
@@ -163,11 +162,8 @@ class FlatBucket:
         """Each ``.grad`` lies on its part of the grad buffer as its view does; where not (a ``.grad`` replaced,
         None, or re-laid or re-pointed in place: ``p.grad.t_()``, ``p.grad.data = x``), its values go into the
         buffer (None counts as zeros) and the param gets a new view."""
-        try:  # the common case, checked in one pass at C speed
-            if all(map(Tensor.is_set_to, map(_grad, self.params), self._grad_layouts)):
-                return
-        except TypeError:  # a None grad
-            pass
+        if all_set_to(self.params, self._grad_layouts, grads=True):  # the common case, in one C++ pass
+            return
         for i, (p, layout) in enumerate(zip(self.params, self._grad_layouts)):
             g = p.grad
             if g is not None and g.is_set_to(layout):

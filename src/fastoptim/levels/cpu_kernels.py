@@ -681,7 +681,9 @@ def _target(cxx: str) -> str:
     return "\n".join(sorted(done.stdout.splitlines()))
 
 
-def _build(cxx: str, source: str, path: str) -> None:
+def _build(cxx: str, source: str, path: str, flags: Sequence[str] = CXXFLAGS, libraries: Sequence[str] = ()) -> None:
+    """Compile ``source`` into the shared library ``path`` (written atomically); ``libraries``: linker flags
+    after the source."""
     folder = os.path.dirname(path)
     os.makedirs(folder, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=folder) as work:
@@ -690,7 +692,7 @@ def _build(cxx: str, source: str, path: str) -> None:
             f.write(source)
         built = os.path.join(work, "kernel.so")
         try:
-            done = subprocess.run([cxx, *CXXFLAGS, src, "-o", built], capture_output=True, text=True,
+            done = subprocess.run([cxx, *flags, src, "-o", built, *libraries], capture_output=True, text=True,
                                   timeout=BUILD_TIMEOUT_S)
         except subprocess.SubprocessError as e:
             raise KernelUnavailable(f"{os.path.basename(cxx)} failed to build the kernel: {e}") from None
