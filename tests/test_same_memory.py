@@ -35,7 +35,7 @@ def _cases():
 @pytest.mark.parametrize("case", list(_cases()), ids=lambda c: c[0])
 def test_all_set_to_answers_as_is_set_to(check, case):
     _, a, b = case
-    expected = len(a) == len(b) and all(x is not None and x.is_set_to(y) for x, y in zip(a, b))
+    expected = len(a) == len(b) and all(x is not None and x.is_set_to(y) for x, y in zip(a, b))  # torch's own
     before = same_memory.native_calls
     assert same_memory.all_set_to(a, b) == expected
     assert same_memory.native_calls == before + (check == "native")
@@ -95,3 +95,12 @@ def test_without_a_compiler_the_python_loop_answers(monkeypatch):
         assert same_memory.native_calls == before
     finally:
         same_memory._loaded.cache_clear()  # found out again (built, here) by the next caller
+
+
+def test_a_tensor_of_another_layout_kind_reads_as_not_set_to(check):
+    """A sparse or meta tensor put where a view was: False (the caller then repairs through the slow path)."""
+    base = torch.zeros(16)
+    view = base.view(4, 4)
+    for other in (torch.eye(4).to_sparse(), torch.empty(4, 4, device="meta")):
+        assert not same_memory.all_set_to([other], [view])
+        assert not same_memory.all_set_to([view], [other])

@@ -29,22 +29,53 @@ from .levels import cpu_kernels
 SOURCE = r"""
 #include <Python.h>
 #include <torch/csrc/autograd/python_variable.h>
+#include <vector>
 
-static bool set_to(const at::Tensor& a, const at::Tensor& b) {
-    if (a.storage().unsafeGetStorageImpl() != b.storage().unsafeGetStorageImpl() ||
-        a.storage_offset() != b.storage_offset() || a.dim() != b.dim())
-        return false;
-    for (int64_t d = 0; d < a.dim(); ++d)
-        if (a.size(d) != b.size(d) || a.stride(d) != b.stride(d)) return false;
-    return true;
+// Each check reads a few objects per tensor (its Python object, TensorImpl, and for a grad the autograd meta and
+// the grad's TensorImpl) that a step's streaming has evicted: one dependent miss after another. So the lists
+// are walked level by level, each walk prefetching AHEAD items on, and the misses of many tensors overlap.
+constexpr size_t AHEAD = 16;
+
+static void prefetch(const void* p, int lines) {
+    for (int k = 0; k < lines; ++k) __builtin_prefetch(static_cast<const char*>(p) + 64 * k);
 }
 
-// the tensor behind a[i], or its .grad where grads (an undefined tensor where none, or not a tensor)
-static const at::Tensor& pick(PyObject* x, bool grads) {
-    static const at::Tensor none;
-    if (!THPVariable_Check(x)) return none;
-    const at::Tensor& t = THPVariable_Unpack(x);
-    return grads ? t.grad() : t;
+static bool is_tensor(PyObject* x) {  // Tensor and Parameter by type; a subclass by its C type (no Python call)
+    return THPVariable_CheckExact(x) || PyObject_TypeCheck(x, reinterpret_cast<PyTypeObject*>(THPVariableClass));
+}
+
+// the TensorImpl of each item of a list (its .grad's where grads); null where not a tensor or no grad
+static std::vector<c10::TensorImpl*> impls(PyObject* list, bool grads) {
+    const size_t n = PyList_GET_SIZE(list);
+    PyObject** items = PySequence_Fast_ITEMS(list);
+    std::vector<c10::TensorImpl*> out(n);
+    for (size_t i = 0; i < n; ++i) {
+        if (i + AHEAD < n) prefetch(items[i + AHEAD], 1);
+        out[i] = is_tensor(items[i]) ? THPVariable_Unpack(items[i]).unsafeGetTensorImpl() : nullptr;
+    }
+    if (!grads) return out;
+    std::vector<c10::AutogradMetaInterface*> meta(n);
+    for (size_t i = 0; i < n; ++i) {
+        if (i + AHEAD < n && out[i + AHEAD]) prefetch(out[i + AHEAD], 4);
+        meta[i] = out[i] ? out[i]->autograd_meta() : nullptr;
+    }
+    for (size_t i = 0; i < n; ++i) {
+        if (i + AHEAD < n && meta[i + AHEAD]) prefetch(meta[i + AHEAD], 2);
+        const at::TensorBase* grad = meta[i] ? &meta[i]->grad() : nullptr;
+        out[i] = grad && grad->defined() ? grad->unsafeGetTensorImpl() : nullptr;
+    }
+    return out;
+}
+
+// is_set_to's own test (ATen's native is_set_to): the same storage, offset, dims, sizes and strides
+static bool set_to(const c10::TensorImpl* a, const c10::TensorImpl* b) {
+    if (!a || !b || !a->has_storage() || !b->has_storage() ||
+        a->storage().unsafeGetStorageImpl() != b->storage().unsafeGetStorageImpl() ||
+        a->storage_offset() != b->storage_offset() || a->dim() != b->dim())
+        return false;
+    for (int64_t d = 0; d < a->dim(); ++d)
+        if (a->sizes()[d] != b->sizes()[d] || a->strides()[d] != b->strides()[d]) return false;
+    return true;
 }
 
 // all_set_to(a, b, grads): two lists of one length, each a[i] (its .grad where grads) a tensor that
@@ -53,12 +84,18 @@ static PyObject* all_set_to(PyObject*, PyObject* args) {
     PyObject *a, *b;
     int grads;
     if (!PyArg_ParseTuple(args, "O!O!p", &PyList_Type, &a, &PyList_Type, &b, &grads)) return nullptr;
-    const Py_ssize_t n = PyList_GET_SIZE(a);
-    if (PyList_GET_SIZE(b) != n) Py_RETURN_FALSE;
-    for (Py_ssize_t i = 0; i < n; ++i) {
-        const at::Tensor& x = pick(PyList_GET_ITEM(a, i), grads);
-        const at::Tensor& y = pick(PyList_GET_ITEM(b, i), false);
-        if (!x.defined() || !y.defined() || !set_to(x, y)) Py_RETURN_FALSE;
+    if (PyList_GET_SIZE(a) != PyList_GET_SIZE(b)) Py_RETURN_FALSE;
+    try {  // a tensor whose storage or sizes cannot be read here (sparse, symbolic, a subclass's own): False
+        const std::vector<c10::TensorImpl*> x = impls(a, grads), y = impls(b, false);
+        for (size_t i = 0; i < x.size(); ++i) {
+            if (i + AHEAD < x.size()) {
+                if (x[i + AHEAD]) prefetch(x[i + AHEAD], 4);
+                if (y[i + AHEAD]) prefetch(y[i + AHEAD], 4);
+            }
+            if (!set_to(x[i], y[i])) Py_RETURN_FALSE;
+        }
+    } catch (...) {
+        Py_RETURN_FALSE;
     }
     Py_RETURN_TRUE;
 }
@@ -138,4 +175,12 @@ def all_set_to(a: list, b: list, grads: bool = False) -> bool:
         return module.all_set_to(a, b, grads)
     if grads:
         a = [x.grad for x in a]
-    return len(a) == len(b) and all(isinstance(x, Tensor) and x.is_set_to(y) for x, y in zip(a, b))
+    return len(a) == len(b) and all(map(_set_to, a, b))
+
+
+def _set_to(x, y) -> bool:
+    """``x.is_set_to(y)``; False where either is no tensor or is one ``is_set_to`` cannot read (sparse)."""
+    try:
+        return isinstance(x, Tensor) and isinstance(y, Tensor) and x.is_set_to(y)
+    except (NotImplementedError, RuntimeError):
+        return False
