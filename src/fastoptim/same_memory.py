@@ -147,22 +147,14 @@ def _module():
     key = hashlib.sha256("\0".join((SOURCE, cxx, *flags, *libraries, torch.__version__, sys.version, suffix))
                          .encode()).hexdigest()[:24]
     path = os.path.join(cpu_kernels.cache_dir(), f"same_memory_{key}{suffix}")
-    try:
-        for attempt in (0, 1):
-            if not os.path.exists(path):
-                cpu_kernels._build(cxx, SOURCE, path, flags, libraries)
-            try:
-                loader = importlib.machinery.ExtensionFileLoader("fastoptim_same_memory", path)
-                module = importlib.util.module_from_spec(importlib.util.spec_from_loader(loader.name, loader))
-                loader.exec_module(module)
-                return module
-            except ImportError:
-                if attempt:
-                    raise
-                os.remove(path)  # cut short or damaged: built again
-    except (OSError, ImportError) as e:
-        raise cpu_kernels.KernelUnavailable(f"the layout check could not be built or loaded ({e})") from None
-    raise AssertionError("unreachable")
+    return cpu_kernels.load_built(_import, cxx, SOURCE, path, flags, libraries)
+
+
+def _import(path: str):
+    loader = importlib.machinery.ExtensionFileLoader("fastoptim_same_memory", path)
+    module = importlib.util.module_from_spec(importlib.util.spec_from_loader(loader.name, loader))
+    loader.exec_module(module)
+    return module
 
 
 def all_set_to(a: list, b: list, grads: bool = False) -> bool:

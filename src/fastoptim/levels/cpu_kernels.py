@@ -681,7 +681,7 @@ def _target(cxx: str) -> str:
     return "\n".join(sorted(done.stdout.splitlines()))
 
 
-def _build(cxx: str, source: str, path: str, flags: Sequence[str] = CXXFLAGS, libraries: Sequence[str] = ()) -> None:
+def _build(cxx: str, source: str, path: str, flags: Sequence[str], libraries: Sequence[str] = ()) -> None:
     """Compile ``source`` into the shared library ``path`` (written atomically); ``libraries``: linker flags
     after the source."""
     folder = os.path.dirname(path)
@@ -702,6 +702,27 @@ def _build(cxx: str, source: str, path: str, flags: Sequence[str] = CXXFLAGS, li
         os.replace(built, path)  # atomic: a concurrent build of the same source writes the same bytes
 
 
+def load_built(load: Callable, cxx: str, source: str, path: str, flags: Sequence[str],
+               libraries: Sequence[str] = ()):
+    """``load(path)`` of the library built from ``source`` at ``path`` in the cache folder (built there first
+    where missing; a cached file that does not load is built again once). A folder that cannot be written or a
+    file that still does not load raises ``KernelUnavailable``."""
+    try:
+        for attempt in (0, 1):
+            if not os.path.exists(path):
+                _build(cxx, source, path, flags, libraries)
+            try:
+                return load(path)
+            except (OSError, ImportError):
+                if attempt:
+                    raise
+                os.remove(path)  # cut short or damaged: built again
+    except (OSError, ImportError) as e:
+        raise KernelUnavailable(f"the kernel cache {cache_dir()!r} is not usable ({e}); set FASTOPTIM_CACHE "
+                                "to a writable folder") from None
+    raise AssertionError("unreachable")
+
+
 @lru_cache(maxsize=None)
 def _library(source: str) -> ctypes.CDLL:
     """The built kernel, from the cache folder or built into it. Any failure (no compiler, a failed build, a
@@ -711,21 +732,7 @@ def _library(source: str) -> ctypes.CDLL:
     if cxx is None:
         raise KernelUnavailable("no C++ compiler found (set CXX, or install g++ or clang++)")
     key = hashlib.sha256("\0".join((source, cxx, *CXXFLAGS, sys.platform, _target(cxx))).encode()).hexdigest()[:24]
-    path = os.path.join(cache_dir(), f"kernel_{key}.so")
-    try:
-        for attempt in (0, 1):
-            if not os.path.exists(path):
-                _build(cxx, source, path)
-            try:
-                lib = ctypes.CDLL(path)
-                break
-            except OSError:
-                if attempt:
-                    raise
-                os.remove(path)  # cut short or damaged: built again
-    except OSError as e:
-        raise KernelUnavailable(f"the kernel cache {cache_dir()!r} is not usable ({e}); set FASTOPTIM_CACHE "
-                                "to a writable folder") from None
+    lib = load_built(ctypes.CDLL, cxx, source, os.path.join(cache_dir(), f"kernel_{key}.so"), CXXFLAGS)
     lib.fo_step.restype = None
     lib.fo_step.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
                             ctypes.c_void_p, ctypes.c_void_p]
