@@ -19,13 +19,7 @@ import torch
 from torch import Tensor
 
 from . import storage
-from .same_memory import all_set_to
-
-
-
-def same_layout(a: Tensor, b: Tensor) -> bool:
-    """Whether two tensors lie on the same memory the same way (storage, offset, strides and shape)."""
-    return a.is_set_to(b)
+from .same_memory import all_set_to, set_to as same_layout
 
 
 class GradViews(list):
@@ -166,7 +160,7 @@ class FlatBucket:
             return
         for i, (p, layout) in enumerate(zip(self.params, self._grad_layouts)):
             g = p.grad
-            if g is not None and g.is_set_to(layout):
+            if same_layout(g, layout):
                 continue
             view = self.grad_views[i] = layout.view(layout.shape)  # a new view: the old one may be re-laid
             if g is None:

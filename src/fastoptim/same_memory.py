@@ -25,7 +25,6 @@ from torch import Tensor
 
 from .levels import cpu_kernels
 
-# is_set_to's own test (ATen's native is_set_to): the same storage, offset, dims, sizes and strides
 SOURCE = r"""
 #include <Python.h>
 #include <torch/csrc/autograd/python_variable.h>
@@ -44,10 +43,10 @@ static bool is_tensor(PyObject* x) {  // Tensor and Parameter by type; a subclas
     return THPVariable_CheckExact(x) || PyObject_TypeCheck(x, reinterpret_cast<PyTypeObject*>(THPVariableClass));
 }
 
-// the TensorImpl of each item of a list (its .grad's where grads); null where not a tensor or no grad
-static std::vector<c10::TensorImpl*> impls(PyObject* list, bool grads) {
-    const size_t n = PyList_GET_SIZE(list);
-    PyObject** items = PySequence_Fast_ITEMS(list);
+// the TensorImpl of each item of a list or tuple (its .grad's where grads); null where not a tensor or no grad
+static std::vector<c10::TensorImpl*> impls(PyObject* seq, bool grads) {
+    const size_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject** items = PySequence_Fast_ITEMS(seq);
     std::vector<c10::TensorImpl*> out(n);
     for (size_t i = 0; i < n; ++i) {
         if (i + AHEAD < n) prefetch(items[i + AHEAD], 1);
@@ -67,9 +66,18 @@ static std::vector<c10::TensorImpl*> impls(PyObject* list, bool grads) {
     return out;
 }
 
-// is_set_to's own test (ATen's native is_set_to): the same storage, offset, dims, sizes and strides
+// Whether a tensor's values are what its memory holds, read as it lies: strided, not one with a lazy negation or
+// conjugation, not a zero tensor (the dispatcher materializes those into a copy, so is_set_to says False), not
+// a meta tensor, and not a Python subclass that answers for itself
+static bool plain(const c10::TensorImpl* t) {
+    return t->layout() == c10::kStrided && t->has_storage() && !t->is_conj() && !t->is_neg() && !t->_is_zerotensor() &&
+           t->device_type() != c10::DeviceType::Meta && !t->key_set().has(c10::DispatchKey::Python);
+}
+
+// is_set_to's own test (ATen's native is_set_to: the same storage, offset, dims, sizes and strides), on plain
+// tensors of one dtype (a view re-typed in place, p.data = p.data.view(dtype), is another tensor)
 static bool set_to(const c10::TensorImpl* a, const c10::TensorImpl* b) {
-    if (!a || !b || !a->has_storage() || !b->has_storage() ||
+    if (!a || !b || !plain(a) || !plain(b) || a->dtype() != b->dtype() ||
         a->storage().unsafeGetStorageImpl() != b->storage().unsafeGetStorageImpl() ||
         a->storage_offset() != b->storage_offset() || a->dim() != b->dim())
         return false;
@@ -78,13 +86,17 @@ static bool set_to(const c10::TensorImpl* a, const c10::TensorImpl* b) {
     return true;
 }
 
-// all_set_to(a, b, grads): two lists of one length, each a[i] (its .grad where grads) a tensor that
-// is_set_to b[i] (anything else: False)
+// all_set_to(a, b, grads): two lists (or tuples) of one length, each a[i] (its .grad where grads) a tensor set
+// to b[i] (anything else: False)
 static PyObject* all_set_to(PyObject*, PyObject* args) {
     PyObject *a, *b;
     int grads;
-    if (!PyArg_ParseTuple(args, "O!O!p", &PyList_Type, &a, &PyList_Type, &b, &grads)) return nullptr;
-    if (PyList_GET_SIZE(a) != PyList_GET_SIZE(b)) Py_RETURN_FALSE;
+    if (!PyArg_ParseTuple(args, "OOp", &a, &b, &grads)) return nullptr;
+    if (!(PyList_Check(a) || PyTuple_Check(a)) || !(PyList_Check(b) || PyTuple_Check(b))) {
+        PyErr_SetString(PyExc_TypeError, "all_set_to takes two lists or tuples");
+        return nullptr;
+    }
+    if (PySequence_Fast_GET_SIZE(a) != PySequence_Fast_GET_SIZE(b)) Py_RETURN_FALSE;
     try {  // a tensor whose storage or sizes cannot be read here (sparse, symbolic, a subclass's own): False
         const std::vector<c10::TensorImpl*> x = impls(a, grads), y = impls(b, false);
         for (size_t i = 0; i < x.size(); ++i) {
@@ -131,20 +143,19 @@ def unavailable() -> str | None:
 def _loaded() -> tuple[object | None, str | None]:
     try:
         return _module(), None
-    except cpu_kernels.KernelUnavailable as e:
+    except Exception as e:  # not built, or built but not loadable here: the Python check answers
         return None, str(e)
 
 
 def _module():
     """The built extension, from the kernel cache folder or built into it (once per machine: about 25 s)."""
-    cxx = cpu_kernels.compiler()
-    if cxx is None:
-        raise cpu_kernels.KernelUnavailable("no C++ compiler found (set CXX, or install g++ or clang++)")
+    cxx = cpu_kernels.required_compiler()
     if not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")):
         raise cpu_kernels.KernelUnavailable("no Python headers (Python.h) to build against")
     flags, libraries = _build_flags()
     suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
-    key = hashlib.sha256("\0".join((SOURCE, cxx, *flags, *libraries, torch.__version__, sys.version, suffix))
+    key = hashlib.sha256("\0".join((SOURCE, cxx, *flags, *libraries, torch.__version__, torch.version.git_version, sys.version,
+                                   suffix))
                          .encode()).hexdigest()[:24]
     path = os.path.join(cpu_kernels.cache_dir(), f"same_memory_{key}{suffix}")
     return cpu_kernels.load_built(_import, cxx, SOURCE, path, flags, libraries)
@@ -157,22 +168,27 @@ def _import(path: str):
     return module
 
 
-def all_set_to(a: list, b: list, grads: bool = False) -> bool:
-    """``len(a) == len(b)`` and each ``a[i]`` (its ``.grad`` where ``grads``) is a tensor that
-    ``is_set_to(b[i])`` (a None: False)."""
+def all_set_to(a: list | tuple, b: list | tuple, grads: bool = False) -> bool:
+    """``len(a) == len(b)`` and each ``a[i]`` (its ``.grad`` where ``grads``) is ``set_to(b[i])``."""
     global native_calls
     module = _loaded()[0]
     if module is not None:
         native_calls += 1
         return module.all_set_to(a, b, grads)
     if grads:
-        a = [x.grad for x in a]
-    return len(a) == len(b) and all(map(_set_to, a, b))
+        a = [getattr(x, "grad", None) for x in a]
+    return len(a) == len(b) and all(map(set_to, a, b))
 
 
-def _set_to(x, y) -> bool:
-    """``x.is_set_to(y)``; False where either is no tensor or is one ``is_set_to`` cannot read (sparse)."""
-    try:
-        return isinstance(x, Tensor) and isinstance(y, Tensor) and x.is_set_to(y)
-    except (NotImplementedError, RuntimeError):
-        return False
+def set_to(x, y) -> bool:
+    """Whether ``x`` lies on ``y``'s memory exactly as ``y`` does (``is_set_to``: the same storage, offset,
+    sizes and strides) with ``y``'s dtype, both read as they lie. False where either is no tensor, or one whose
+    values are not its memory as it lies (not strided, a lazy negation or conjugation, a zero tensor, a meta tensor, a
+    Python subclass that answers for itself)."""
+    return isinstance(x, Tensor) and isinstance(y, Tensor) and _plain(x) and _plain(y) and x.dtype == y.dtype \
+        and x.is_set_to(y)
+
+
+def _plain(t: Tensor) -> bool:
+    return not (t.is_conj() or t.is_neg() or t._is_zerotensor() or t.is_meta or t.layout != torch.strided
+                or torch._C._dispatch_keys(t).has(torch._C.DispatchKey.Python))

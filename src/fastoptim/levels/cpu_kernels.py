@@ -659,6 +659,13 @@ def compiler() -> str | None:
     return None
 
 
+def required_compiler() -> str:
+    cxx = compiler()
+    if cxx is None:
+        raise KernelUnavailable("no C++ compiler found (set CXX, or install g++ or clang++)")
+    return cxx
+
+
 def cache_dir() -> str:
     return os.environ.get("FASTOPTIM_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "fastoptim")
 
@@ -725,12 +732,8 @@ def load_built(load: Callable, cxx: str, source: str, path: str, flags: Sequence
 
 @lru_cache(maxsize=None)
 def _library(source: str) -> ctypes.CDLL:
-    """The built kernel, from the cache folder or built into it. Any failure (no compiler, a failed build, a
-    cache folder that cannot be written, a cached file that does not load) raises ``KernelUnavailable``; a
-    cached file that does not load is built again once."""
-    cxx = compiler()
-    if cxx is None:
-        raise KernelUnavailable("no C++ compiler found (set CXX, or install g++ or clang++)")
+    """The built kernel (``load_built``); no compiler or a failed build raises ``KernelUnavailable``."""
+    cxx = required_compiler()
     key = hashlib.sha256("\0".join((source, cxx, *CXXFLAGS, sys.platform, _target(cxx))).encode()).hexdigest()[:24]
     lib = load_built(ctypes.CDLL, cxx, source, os.path.join(cache_dir(), f"kernel_{key}.so"), CXXFLAGS)
     lib.fo_step.restype = None
