@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from . import storage
-from .same_memory import all_set_to, set_to as same_layout
+from .bulk import all_set_to, set_to as same_layout
 
 
 class GradViews(list):

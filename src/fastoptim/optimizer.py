@@ -27,7 +27,7 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import Tensor
 
-from . import clip, levels, plan, storage
+from . import bulk, clip, levels, plan, storage
 from .flat import FlatBucket
 from .levels import Bucket, is_dtensor, sharded, stages
 from .rules import Rule
@@ -328,10 +328,9 @@ class FastOptimizer(torch.optim.Optimizer):
         # flat buffers and sharded params' local shards were written, not the params the user holds: each counts an
         # in-place write, as torch.optim's step counts one (autograd then refuses a backward through a param changed
         # since its forward)
-        written = [p for bucket in step_plan.buckets if bucket.flat_grad is not None or bucket.convert
-                   for p in bucket.owners]
-        if written:
-            torch.autograd.graph.increment_version(written)
+        for bucket in step_plan.buckets:
+            if bucket.flat_grad is not None or bucket.convert:
+                bulk.bump_versions(bucket.owners)
 
     def _grad_mul(self, work: list) -> Tensor | None:
         """What the update multiplies the grads by: GradScaler's 1/scale (as GradScaler.unscale_ computes it),

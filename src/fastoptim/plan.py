@@ -42,7 +42,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from . import storage
+from . import bulk, storage
 from .flat import FlatBucket, same_layout
 from .levels import is_dtensor
 
@@ -283,19 +283,16 @@ class Plan:
         hyper-parameters of this step); returns what ``take_back`` needs if the kernels skip it."""
         created, self.created = self.created, {}
         replaced, self.replaced = self.replaced, {}
-        setitem = dict.__setitem__  # the plan's own bookkeeping: not counted as a change
         names = rule.host_states
-        for bucket in self.buckets:
+        for bucket in self.buckets:  # set with dict.__setitem__: the plan's own bookkeeping, not a change
             bucket.step = step = bucket.step + 1
             if rule.exports_step:
-                for state in bucket.dicts:
-                    setitem(state, "step", step)
+                bulk.set_each(bucket.dicts, "step", step)
             if names:
                 bucket.host_before = bucket.host
                 bucket.host = rule.host_step(group, step, bucket.host)
-                for state in bucket.dicts:
-                    for name, value in zip(names, bucket.host):
-                        setitem(state, name, value)
+                for name, value in zip(names, bucket.host):
+                    bulk.set_each(bucket.dicts, name, value)
         return [(bucket.owners, bucket.dicts, created, replaced, dict(zip(names, bucket.host_before)),
                  rule.exports_step) for bucket in self.buckets]
 

@@ -23,6 +23,7 @@ import warnings
 import torch
 from torch import Tensor
 
+from .. import bulk
 from ..flat import GradViews
 from . import Bucket, caller_stacklevel, compiled, foreach, is_dtensor, pack_scalars, took, uses_triton
 
@@ -64,7 +65,7 @@ def run(rule, bucket: Bucket, group: dict, step: int, scalars: tuple, flags: tup
                              grad_scale=None if grad_mul is None else grad_mul.reciprocal())
             # written in place, as torch's loop and foreach steps count it (its fused kernels do not): autograd then
             # refuses a backward through a param changed since its forward
-            torch.autograd.graph.increment_version(dense.params)
+            bulk.bump_versions(dense.params)
         if strided:
             foreach.run(rule, _subset(bucket, strided), group, step, scalars, flags, grad_mul)
         return
@@ -92,7 +93,7 @@ def _run_triton(rule, bucket: Bucket, group, step, scalars, flags, grad_mul, fou
                                   scalars, flags, table, grad_mul=grad_mul, found_inf=found_inf)
     # written in place through their addresses: counted as torch.optim's steps count it (a step the kernel skips
     # for found_inf is counted too: the flag is on the device, and a count too many only refuses a backward)
-    torch.autograd.graph.increment_version(bucket.params)
+    bulk.bump_versions(bucket.params)
     if fallback:
         _safe_path(rule, _subset(bucket, fallback), group, step, scalars, flags, grad_mul, found_inf)
 
@@ -171,7 +172,7 @@ def run_stored(rule, bucket: Bucket, group: dict, step: int, scalars: tuple, fla
             failed += indices
             continue
         took("cpu_kernel")
-        torch.autograd.graph.increment_version(params)  # written in place, as torch's own kernels count
+        bulk.bump_versions(params)  # written in place, as torch's own kernels count
     rest = rest + failed
     return _subset(bucket, sorted(rest)) if rest else None
 
@@ -219,7 +220,7 @@ def run_stored_triton(rule, bucket: Bucket, group: dict, step: int, scalars: tup
         comps = [own[i] for i in indices] if rounding == "kahan" else None
         triton_stored.run(rule.update, part.params, part.grads, part.states, formats, scalars, flags, table,
                           grad_mul=grad_mul, found_inf=found_inf, rounding_keys=keys, comps=comps)
-        torch.autograd.graph.increment_version(part.params)  # written in place, as torch's own kernels count
+        bulk.bump_versions(part.params)  # written in place, as torch's own kernels count
     if rounding == "stochastic":
         for stream in own:
             stream[1] += 1  # one draw per step, as ``storage.round_into`` counts

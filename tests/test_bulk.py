@@ -1,4 +1,4 @@
-"""The C++ pass of flat mode's per-step layout checks (``same_memory``): the same answers as ``Tensor.is_set_to``,
+"""The C++ pass of flat mode's per-step layout checks (``bulk``): the same answers as ``Tensor.is_set_to``,
 and flat mode takes it."""
 
 import os
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import fastoptim
-from fastoptim import same_memory
+from fastoptim import bulk
 from fastoptim.levels import cpu_kernels
 
 
@@ -16,12 +16,12 @@ from fastoptim.levels import cpu_kernels
 def check(request, monkeypatch):
     """Each test once through the C++ pass and once through the Python loop it stands in for."""
     if request.param == "python":
-        monkeypatch.setattr(same_memory, "_loaded", lambda: (None, "off in this test"))
+        monkeypatch.setattr(bulk, "_loaded", lambda: (None, "off in this test"))
     elif cpu_kernels.compiler() is None or not os.path.exists(os.path.join(sysconfig.get_paths()["include"],
                                                                             "Python.h")):
         pytest.skip("no C++ compiler or no Python headers: the C++ pass cannot be built on this machine")
     else:
-        assert same_memory.unavailable() is None  # a compiler and Python's headers are here: it must build
+        assert bulk.unavailable() is None  # a compiler and Python's headers are here: it must build
     return request.param
 
 
@@ -61,25 +61,25 @@ def test_all_set_to_answers_as_is_set_to(check, case):
     _, a, b, expected = case
     if expected or "re-typed" not in case[0]:  # torch's own answer agrees (the dtype check is ours)
         assert expected == (len(a) == len(b) and all(x is not None and x.is_set_to(y) for x, y in zip(a, b)))
-    before = same_memory.native_calls
-    assert same_memory.all_set_to(a, b) == expected
-    assert same_memory.native_calls == before + (check == "native")
+    before = bulk.native_calls
+    assert bulk.all_set_to(a, b) == expected
+    assert bulk.native_calls == before + (check == "native")
 
 
 def test_all_set_to_reads_grads_where_asked(check):
     base = torch.zeros(32)
     params = [torch.nn.Parameter(torch.zeros(4, 4)) for _ in range(2)]
     layouts = [base[:16].view(4, 4), base[16:].view(4, 4)]
-    assert not same_memory.all_set_to(params, layouts, grads=True)  # no grads yet
+    assert not bulk.all_set_to(params, layouts, grads=True)  # no grads yet
     for p, view in zip(params, layouts):
         p.grad = view.view(4, 4)
-    assert same_memory.all_set_to(params, layouts, grads=True)
-    assert not same_memory.all_set_to(params, layouts)  # the params' own data are not those views
+    assert bulk.all_set_to(params, layouts, grads=True)
+    assert not bulk.all_set_to(params, layouts)  # the params' own data are not those views
     params[1].grad.t_()
-    assert not same_memory.all_set_to(params, layouts, grads=True)
+    assert not bulk.all_set_to(params, layouts, grads=True)
     params[1].grad = None
-    assert not same_memory.all_set_to(params, layouts, grads=True)
-    assert not same_memory.all_set_to([object(), *params[1:]], layouts, grads=True)  # no tensor: no grad
+    assert not bulk.all_set_to(params, layouts, grads=True)
+    assert not bulk.all_set_to([object(), *params[1:]], layouts, grads=True)  # no tensor: no grad
 
 
 def test_all_set_to_reads_every_grad_of_a_long_list(check):
@@ -88,9 +88,9 @@ def test_all_set_to_reads_every_grad_of_a_long_list(check):
     layouts = [base[i:i + 1] for i in range(40)]
     for p, view in zip(params, layouts):
         p.grad = view.view(1)
-    assert same_memory.all_set_to(params, layouts, grads=True)
+    assert bulk.all_set_to(params, layouts, grads=True)
     params[37].grad = base[38:39]
-    assert not same_memory.all_set_to(params, layouts, grads=True)
+    assert not bulk.all_set_to(params, layouts, grads=True)
 
 
 def test_flat_steps_check_their_views_in_one_cpp_pass_and_see_a_replaced_param(check):
@@ -112,26 +112,26 @@ def test_flat_steps_check_their_views_in_one_cpp_pass_and_see_a_replaced_param(c
                 model[1].weight.t_(), ref_model[1].weight.t_()
             g = torch.randn(8)
             model[2].bias.grad, ref_model[2].bias.grad = g.clone(), g.clone()
-        before = same_memory.native_calls
+        before = bulk.native_calls
         opt.step()
         ref.step()
-        assert (same_memory.native_calls > before) == (check == "native")
+        assert (bulk.native_calls > before) == (check == "native")
         for a, b in zip(model.parameters(), ref_model.parameters()):
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
 
 
 def test_without_a_compiler_the_python_loop_answers(monkeypatch):
-    same_memory._loaded.cache_clear()
+    bulk._loaded.cache_clear()
     monkeypatch.setattr(cpu_kernels, "compiler", lambda: None)
     try:
-        assert "no C++ compiler" in same_memory.unavailable()
+        assert "no C++ compiler" in bulk.unavailable()
         base = torch.zeros(8)
-        before = same_memory.native_calls
-        assert same_memory.all_set_to([base[:4]], [base[:4]])
-        assert not same_memory.all_set_to([base[:4]], [base[4:]])
-        assert same_memory.native_calls == before
+        before = bulk.native_calls
+        assert bulk.all_set_to([base[:4]], [base[:4]])
+        assert not bulk.all_set_to([base[:4]], [base[4:]])
+        assert bulk.native_calls == before
     finally:
-        same_memory._loaded.cache_clear()  # found out again (built, here) by the next caller
+        bulk._loaded.cache_clear()  # found out again (built, here) by the next caller
 
 
 def test_a_tensor_of_another_layout_kind_reads_as_not_set_to(check):
@@ -143,15 +143,15 @@ def test_a_tensor_of_another_layout_kind_reads_as_not_set_to(check):
     base = torch.zeros(16)
     view = base.view(4, 4)
     for other in (torch.eye(4).to_sparse(), torch.eye(4).to_sparse_csr(), torch.empty(4, 4, device="meta")):
-        assert not same_memory.all_set_to([other], [view])
-        assert not same_memory.all_set_to([view], [other])
+        assert not bulk.all_set_to([other], [view])
+        assert not bulk.all_set_to([view], [other])
     meta = torch.empty(16, device="meta")
     zero = torch._efficientzerotensor(16)
     with FakeTensorMode():
         fake = torch.empty(16)
     mine = torch.Tensor._make_subclass(_Dispatching, base)  # real memory, but its ops are its own
     for t in (meta, zero, fake, mine):
-        assert not same_memory.all_set_to([t], [t])
+        assert not bulk.all_set_to([t], [t])
 
 
 class _Dispatching(torch.Tensor):
@@ -173,3 +173,50 @@ def test_flat_refuses_a_param_re_typed_in_place_on_its_own_memory(check):
     with pytest.raises(ValueError, match="dtype torch.float16"):
         opt.step()
     assert torch.equal(model.weight, before)
+
+
+def test_bump_versions_counts_a_write_to_each_tensor(check):
+    base = torch.zeros(40)
+    tensors = [base[i:i + 1] for i in range(0, 40, 2)] + [torch.nn.Parameter(torch.zeros(3)) for _ in range(20)]
+    versions = [t._version for t in tensors]
+    before = bulk.native_calls
+    bulk.bump_versions(tensors)
+    bulk.bump_versions(t for t in tensors[:3])  # any iterable, as torch's increment_version takes
+    # the 20 views of base share one counter (a bump of one is a bump of all): 20 + 3 bumps; each param: one
+    assert [t._version for t in tensors] == [v + (23 if i < 20 else 1) for i, v in enumerate(versions)]
+    assert bulk.native_calls == before + 2 * (check == "native")
+    with torch.inference_mode():
+        frozen = torch.zeros(3)
+    bulk.bump_versions([frozen])  # an inference tensor has no counter: left alone, as torch does
+    with pytest.raises((TypeError, RuntimeError), match="tensor"):
+        bulk.bump_versions([torch.zeros(1), "not a tensor"])
+
+
+def test_a_step_bumped_in_bulk_refuses_a_stale_backward(check):
+    """A flat step writes the buffer, not the params the graph saw: autograd must still see each param changed."""
+    model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(20)])
+    opt = fastoptim.SGD(model.parameters(), lr=0.1, flat=True)
+    model(torch.randn(2, 4)).sum().backward()
+    loss = model(torch.randn(2, 4)).sum()  # its graph saved the weights as they are now
+    before = bulk.native_calls
+    opt.step()
+    assert bulk.native_calls > before if check == "native" else bulk.native_calls == before
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
+def test_set_each_sets_a_key_in_every_dict_past_their_own_setitem(check):
+    class Watched(dict):
+        def __setitem__(self, key, value):
+            raise AssertionError("a subclass's own __setitem__ must not be called")
+
+    dicts = [{"a": 1} for _ in range(30)] + [Watched()]
+    value = object()
+    before = bulk.native_calls
+    bulk.set_each(dicts, "step", value)
+    assert all(dict.__getitem__(d, "step") is value for d in dicts) and dicts[0]["a"] == 1
+    assert bulk.native_calls == before + (check == "native")
+    with pytest.raises(TypeError):
+        bulk.set_each([{}, {}], ["unhashable"], 1)
+    with pytest.raises(TypeError):
+        bulk.set_each([{}, "not a dict"], "k", 1)
