@@ -220,3 +220,56 @@ def test_set_each_sets_a_key_in_every_dict_past_their_own_setitem(check):
         bulk.set_each([{}, {}], ["unhashable"], 1)
     with pytest.raises(TypeError):
         bulk.set_each([{}, "not a dict"], "k", 1)
+
+
+def test_with_grads_gives_the_params_with_grads_and_their_very_grads(check):
+    params = [torch.nn.Parameter(torch.zeros(2, 2)) for _ in range(40)] + [torch.zeros(3, requires_grad=True)]
+    for i, p in enumerate(params):
+        if i % 3:
+            p.grad = torch.ones_like(p)
+    before = bulk.native_calls
+    having, grads, plain = bulk.with_grads(params)
+    assert bulk.native_calls == before + (check == "native")
+    assert [id(p) for p in having] == [id(p) for i, p in enumerate(params) if i % 3]
+    assert all(g is p.grad for p, g in zip(having, grads)) and plain
+    params[1].grad_dtype = None  # torch then takes a grad of another dtype: the caller looks at each
+    params[1].grad = torch.ones(2, 2, dtype=torch.float64)
+    assert bulk.with_grads(params)[2] is False
+    params[1].grad = torch.eye(2).to_sparse()
+    assert bulk.with_grads(params)[2] is False
+    assert bulk.with_grads([]) == ([], [], True)
+
+
+def test_with_grads_leaves_a_subclass_param_to_python():
+    class Mine(torch.nn.Parameter):
+        pass
+
+    p = Mine(torch.zeros(2))
+    p.grad = torch.ones(2)
+    having, grads, plain = bulk.with_grads([torch.nn.Parameter(torch.zeros(1)), p])
+    assert having == [p] and grads[0] is p.grad and plain
+
+
+def test_layouts_change_with_where_and_how_each_tensor_lies(check):
+    params = [torch.nn.Parameter(torch.zeros(4, 6)) for _ in range(40)]
+    before = bulk.layouts(params)
+    assert bulk.layouts(params) == before
+    changes = {
+        "data replaced": lambda p: setattr(p, "data", torch.zeros(4, 6)),
+        "re-laid in place": _relay,
+        "a view of another shape, same address": lambda p: setattr(p, "data", p.data.view(6, 4)),
+        "moved to shared memory": lambda p: p.share_memory_(),
+    }
+    for name, change in changes.items():
+        fresh = [torch.nn.Parameter(torch.zeros(4, 6)) for _ in range(40)]
+        seen = bulk.layouts(fresh)
+        change(fresh[37])
+        assert bulk.layouts(fresh) != seen, name
+    addresses = bulk.layouts(params, shapes=False)
+    _relay(params[37])  # the same address: the addresses alone do not see it
+    assert bulk.layouts(params, shapes=False) == addresses and bulk.layouts(params) != before
+
+
+def _relay(p):
+    with torch.no_grad():
+        p.t_()

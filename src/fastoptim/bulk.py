@@ -122,16 +122,21 @@ static bool sequence(PyObject* x, const char* what) {
     return false;
 }
 
+static bool all_tensors(PyObject* seq, const char* what) {
+    PyObject** items = PySequence_Fast_ITEMS(seq);
+    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(seq); ++i)
+        if (!is_tensor(items[i])) {
+            PyErr_Format(PyExc_TypeError, "%s: item %zd is %s, not a tensor", what, i, Py_TYPE(items[i])->tp_name);
+            return false;
+        }
+    return true;
+}
+
 // bump_versions(tensors): torch._C._increment_version's count (not for inference tensors, which have none)
 static PyObject* bump_versions(PyObject*, PyObject* seq) {
-    if (!sequence(seq, "bump_versions")) return nullptr;
+    if (!sequence(seq, "bump_versions") || !all_tensors(seq, "bump_versions")) return nullptr;
     const size_t n = PySequence_Fast_GET_SIZE(seq);
     PyObject** items = PySequence_Fast_ITEMS(seq);
-    for (size_t i = 0; i < n; ++i)
-        if (!is_tensor(items[i])) {
-            PyErr_Format(PyExc_TypeError, "bump_versions: item %zu is %s, not a tensor", i, Py_TYPE(items[i])->tp_name);
-            return nullptr;
-        }
     try {
         const std::vector<c10::TensorImpl*> x = impls(seq, false);
         for (size_t i = 0; i < n; ++i) {
@@ -166,7 +171,73 @@ static PyObject* set_each(PyObject*, PyObject* args) {
     Py_RETURN_NONE;
 }
 
+// layouts(tensors, shapes): the bytes of each tensor's data address (Tensor.data_ptr), and where shapes its dim,
+// sizes and strides; equal bytes: every tensor lies where and as it did
+static PyObject* layouts(PyObject*, PyObject* args) {
+    PyObject* seq;
+    int shapes;
+    if (!PyArg_ParseTuple(args, "Op", &seq, &shapes) || !sequence(seq, "layouts") || !all_tensors(seq, "layouts"))
+        return nullptr;
+    try {
+        const std::vector<c10::TensorImpl*> x = impls(seq, false);
+        std::vector<int64_t> out;
+        out.reserve(x.size() * (shapes ? 10 : 1));
+        for (size_t i = 0; i < x.size(); ++i) {
+            if (i + AHEAD < x.size()) prefetch(x[i + AHEAD], 4);
+            const c10::TensorImpl* t = x[i];
+            const char* data = t->has_storage() && !t->is_empty() ? static_cast<const char*>(t->storage().data()) +
+                                                                      t->storage_offset() * t->itemsize() : nullptr;
+            out.push_back(reinterpret_cast<int64_t>(data));
+            if (!shapes) continue;
+            out.push_back(t->dim());
+            for (int64_t d : t->sizes()) out.push_back(d);
+            for (int64_t d : t->strides()) out.push_back(d);
+        }
+        return PyBytes_FromStringAndSize(reinterpret_cast<const char*>(out.data()), out.size() * sizeof(int64_t));
+    } catch (const std::exception& e) {
+        PyErr_SetString(PyExc_RuntimeError, e.what());
+        return nullptr;
+    }
+}
+
+// with_grads(params, parameter_type): ([p for p in params if p.grad is not None], [their grads], whether every
+// such grad is strided and of its param's dtype); None where an item is not exactly a Tensor or a
+// parameter_type (a subclass may answer .grad by itself)
+static PyObject* with_grads(PyObject*, PyObject* args) {
+    PyObject *seq, *parameter_type;
+    if (!PyArg_ParseTuple(args, "OO", &seq, &parameter_type) || !sequence(seq, "with_grads")) return nullptr;
+    const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject** items = PySequence_Fast_ITEMS(seq);
+    for (Py_ssize_t i = 0; i < n; ++i)
+        if (!THPVariable_CheckExact(items[i]) && Py_TYPE(items[i]) != reinterpret_cast<PyTypeObject*>(parameter_type))
+            Py_RETURN_NONE;
+    try {
+        const std::vector<c10::TensorImpl*> x = impls(seq, false), g = impls(seq, true);
+        PyObject *params = PyList_New(0), *grads = PyList_New(0);
+        bool plain = true;
+        for (Py_ssize_t i = 0; i < n && params && grads; ++i) {
+            if (!g[i]) continue;
+            const at::TensorBase& grad = THPVariable_Unpack(items[i]).grad();
+            plain = plain && g[i]->layout() == c10::kStrided && g[i]->dtype() == x[i]->dtype();
+            PyObject* wrapped = THPVariable_Wrap(grad);
+            if (!wrapped || PyList_Append(params, items[i]) || PyList_Append(grads, wrapped)) Py_CLEAR(params);
+            Py_XDECREF(wrapped);
+        }
+        if (!params || !grads) {
+            Py_XDECREF(params);
+            Py_XDECREF(grads);
+            return nullptr;
+        }
+        return Py_BuildValue("(NNO)", params, grads, plain ? Py_True : Py_False);
+    } catch (const std::exception& e) {
+        PyErr_SetString(PyExc_RuntimeError, e.what());
+        return nullptr;
+    }
+}
+
 static PyMethodDef methods[] = {{"all_set_to", all_set_to, METH_VARARGS, nullptr},
+                                {"with_grads", with_grads, METH_VARARGS, nullptr},
+                                {"layouts", layouts, METH_VARARGS, nullptr},
                                 {"bump_versions", bump_versions, METH_O, nullptr},
                                 {"set_each", set_each, METH_VARARGS, nullptr},
                                 {nullptr, nullptr, 0, nullptr}};
@@ -253,6 +324,29 @@ def all_set_to(a: Sequence, b: Sequence, grads: bool = False) -> bool:
                 and all(map(operator.eq, map(_dtype, a), map(_dtype, b))) and all(map(Tensor.is_set_to, a, b)))
     except (AttributeError, TypeError, NotImplementedError, RuntimeError):  # no tensor (None), a meta tensor
         return False
+
+
+def with_grads(params: Sequence[Tensor]) -> tuple[list[Tensor], list[Tensor], bool]:
+    """The params whose ``.grad`` is not None, their grads, and whether every such grad is strided and of its
+    param's dtype (where not, the caller looks at each)."""
+    native = _native("with_grads")
+    found = None if native is None else native(_sequence(params), torch.nn.Parameter)
+    if found is not None:
+        return found
+    params = [p for p in params if p.grad is not None]
+    grads = [p.grad for p in params]
+    return params, grads, all(g.layout == torch.strided and g.dtype == p.dtype for p, g in zip(params, grads))
+
+
+def layouts(tensors: Sequence[Tensor], shapes: bool = True) -> object:
+    """Where each tensor's data lies (``data_ptr``) and, where ``shapes``, its sizes and strides: equal
+    results (of one process) mean every tensor lies where and as it did (``p.data = ...``, ``p.t_()``, a
+    resize or ``share_memory_()`` since change it, even at the same address)."""
+    native = _native("layouts")
+    if native is not None:
+        return native(_sequence(tensors), shapes)
+    addresses = list(map(Tensor.data_ptr, tensors))
+    return list(zip(addresses, map(Tensor.stride, tensors), map(Tensor.size, tensors))) if shapes else addresses
 
 
 def bump_versions(tensors: Iterable[Tensor]) -> None:

@@ -368,6 +368,9 @@ class FastOptimizer(torch.optim.Optimizer):
         self.rule.validate(group)
         if self.flat:
             return group, group["params"], None
+        params, grads, plain = bulk.with_grads(group["params"])
+        if plain:
+            return group, params, grads
         params, grads = [], []
         for p in group["params"]:
             g = p.grad

@@ -184,12 +184,6 @@ def quiet_set(state: dict, key: str, value: Any) -> None:
 
 # --- plans ------------------------------------------------------------------------------------------------
 
-def layouts(params: list[Tensor]) -> list[tuple]:
-    """Where and how each param's data lies: ``p.data = ...``, ``p.t_()`` or a resize changes it, even at the
-    same address. (Three C-speed passes: about 0.5 us per param.)"""
-    return list(zip(map(Tensor.data_ptr, params), map(Tensor.stride, params), map(Tensor.size, params)))
-
-
 @dataclass
 class PlanBucket:
     key: tuple                         # (device, dtype)
@@ -232,7 +226,7 @@ class Plan:
     replaced: dict[int, dict] = field(default_factory=dict)  # id(param) -> {name: (state found, what replaces it)}
     pending: list[tuple] = field(default_factory=list)       # (param, name, tensor, fill) put in at commit
     rehome: list[FlatBucket] = field(default_factory=list)   # flat buckets whose params' .data was replaced
-    layouts: list[tuple] = field(default_factory=list)       # each param's (address, strides, shape)
+    layouts: object = None                                   # each param's address, strides and shape (bulk.layouts)
     flat: list[FlatBucket] | None = None                     # flat mode: the buckets whose views the params are
 
     def fits(self, params: list[Tensor], active: tuple, state_map: StateMap) -> bool:
@@ -247,7 +241,7 @@ class Plan:
         cost more than the step's own work once a step has left the caches cold)."""
         if self.flat is not None:
             return all(fb.intact() for fb in self.flat)
-        return layouts(params) == self.layouts
+        return bulk.layouts(params) == self.layouts
 
     def commit(self) -> None:
         """Put the built states in place (building changed nothing, so a failed or skipped step leaves
@@ -274,7 +268,7 @@ class Plan:
             bucket.dicts = list(map(state_map.get, bucket.owners))
         self.version = state_map.version
         if self.reusable and self.flat is None:
-            self.layouts = layouts(self.params)
+            self.layouts = bulk.layouts(self.params)
         for fb in self.flat or ():
             fb.settle()
 

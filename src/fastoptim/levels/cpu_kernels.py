@@ -48,7 +48,7 @@ import torch
 from torch import Tensor
 
 from . import cpp_twin
-from .. import storage
+from .. import bulk, storage
 from ..storage import Format, quant
 
 CXXFLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-shared",
@@ -864,11 +864,11 @@ class Table:
             key = t.untyped_storage()._cdata
             watched.setdefault(("pool", key) if key in pooled else ("own", id(t)), t)
         self.state_tensors = list(watched.values())
-        self.state_addresses = list(map(Tensor.data_ptr, self.state_tensors))
+        self.state_addresses = bulk.layouts(self.state_tensors, shapes=False)
 
     def states_moved(self) -> bool:
         """Whether a state's storage lies elsewhere than the table says (the kernel would write freed memory)."""
-        return list(map(Tensor.data_ptr, self.state_tensors)) != self.state_addresses
+        return bulk.layouts(self.state_tensors, shapes=False) != self.state_addresses
 
     def point_at(self, grads: list[Tensor]) -> None:
         """This step's grads (the same shapes; contiguous, as ``signature`` checked)."""

@@ -106,9 +106,12 @@ def _safe_path(rule, bucket: Bucket, group, step, scalars, flags, grad_mul, foun
     foreach.run(rule, bucket, group, step, scalars, flags, grad_mul)
 
 
-def _subset(bucket: Bucket, indices: list[int]) -> Bucket:
+def _subset(bucket: Bucket, indices: list[int], cache: dict | None = None) -> Bucket:
+    """The params at ``indices`` of ``bucket``, with their grads and states; ``cache``: one that lives as long as
+    ``bucket.cache`` and was made for these very indices (else the subset's cache starts empty)."""
     return Bucket([bucket.params[i] for i in indices], [bucket.grads[i] for i in indices],
-                  [None if s is None else [s[i] for i in indices] for s in bucket.states], pools=bucket.pools)
+                  [None if s is None else [s[i] for i in indices] for s in bucket.states],
+                  {} if cache is None else cache, pools=bucket.pools)
 
 
 _kernel_warned: set = set()
@@ -173,8 +176,10 @@ def run_stored(rule, bucket: Bucket, group: dict, step: int, scalars: tuple, fla
             continue
         took("cpu_kernel")
         bulk.bump_versions(params)  # written in place, as torch's own kernels count
-    rest = rest + failed
-    return _subset(bucket, sorted(rest)) if rest else None
+    if not rest and not failed:
+        return None
+    rest = tuple(sorted(rest + failed))  # its own cache, kept with the bucket's (what the levels work out once)
+    return _subset(bucket, list(rest), bucket.cache.setdefault(("rest", rest), {}))
 
 
 def run_stored_triton(rule, bucket: Bucket, group: dict, step: int, scalars: tuple, flags: tuple, grad_mul=None,
