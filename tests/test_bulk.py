@@ -254,14 +254,19 @@ def test_layouts_change_with_where_and_how_each_tensor_lies(check):
     params = [torch.nn.Parameter(torch.zeros(4, 6)) for _ in range(40)]
     before = bulk.layouts(params)
     assert bulk.layouts(params) == before
+    buffer = torch.zeros(2 * 24)
     changes = {
         "data replaced": lambda p: setattr(p, "data", torch.zeros(4, 6)),
+        "another place on the same storage": lambda p: setattr(p, "data", buffer[24:].view(4, 6)),
+        "other sizes, the same strides": lambda p: setattr(p, "data", p.data[:3]),
+        "other strides, the same sizes": lambda p: setattr(p, "data", p.data.as_strided((4, 6), (1, 4))),
         "re-laid in place": _relay,
         "a view of another shape, same address": lambda p: setattr(p, "data", p.data.view(6, 4)),
         "moved to shared memory": lambda p: p.share_memory_(),
     }
     for name, change in changes.items():
         fresh = [torch.nn.Parameter(torch.zeros(4, 6)) for _ in range(40)]
+        fresh[37].data = buffer[:24].view(4, 6)
         seen = bulk.layouts(fresh)
         change(fresh[37])
         assert bulk.layouts(fresh) != seen, name

@@ -559,3 +559,19 @@ def test_pooled_states_are_disjoint_aligned_views_of_their_shapes():
     for kind, span in spans.items():
         span.sort()
         assert all(end <= start for (_, end), (start, _) in zip(span, span[1:])), kind
+
+
+def test_a_plain_state_re_typed_in_place_beside_quantized_ones_still_steps():
+    """The params the CPU kernel leaves to torch's kernels keep a cache across steps; whether their states are
+    plain is still looked at each step (``s.data = s.data.to(bf16)`` is not a replaced state)."""
+    torch.manual_seed(0)
+    big, small = torch.nn.Parameter(torch.randn(64, 128)), torch.nn.Parameter(torch.randn(32))
+    opt = fastoptim.AdamW([big, small], lr=0.01, state_bits=8, min_quant_size=1000)
+    for step in range(3):
+        big.grad, small.grad = torch.randn(64, 128), torch.randn(32)
+        if step == 2:
+            s = opt.state[small]["exp_avg"]
+            s.data = s.data.to(torch.bfloat16)
+            before = small.detach().clone()
+        opt.step()
+    assert not torch.equal(small, before) and opt.state[small]["step"] == 3

@@ -450,14 +450,9 @@ def run_staged(run: Callable, bucket, *args, found_inf: Tensor | None = None, ro
         params = [p.float() if rounding != "kahan" else p.float() + comp.float() for p, comp in zip(params, own)]
         grads = [g.float() for g in grads]
     staged, states = [], []
-    # a bucket's states stay what they are while its cache lives (the step plan makes a new bucket for a
-    # replaced state): where all are plain, found out once (thousands of tensors cost a Python call each)
-    plain = bucket.cache.get("plain_states") if not fp32 else False
-    if plain is None:
-        plain = bucket.cache["plain_states"] = not needs_staging(params, bucket.states)
     for lst in bucket.states:
-        if lst is None or plain:
-            states.append(lst)
+        if lst is None:
+            states.append(None)
             continue
         temps = []
         for state, temp_p in zip(lst, params):
