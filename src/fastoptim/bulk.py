@@ -1,14 +1,15 @@
 """A step's per-tensor bookkeeping over thousands of tensors, each in one C++ pass.
 
-Every step, flat mode checks that each param is still its view of the flat buffer and each ``.grad`` its
-view of the grad buffer (``p.data = x``, ``p.t_()`` or a replaced ``.grad`` must be seen: a cache must never
-outlive what it caches); every level counts the step as an in-place write to each param (autograd's version
-counters); and each param's state dict gets the new ``step``. From Python that is 0.1-0.9 us a tensor, with
-the caches cold after the step: 2-8 ms a step for the 4000 tensors of a 2000-layer MLP, as long as the 8-bit
-step's own work. Here each is one call over the whole list (15-90 ns a tensor, the cache misses of many
-tensors overlapped by prefetching): a small CPython extension built against the installed torch's headers at
-first use, cached beside the CPU kernels (its name carries the torch and Python versions it was built for).
-Where it cannot be built (no compiler, no Python headers) Python loops give the same results.
+Every step: flat mode checks that each param is still its view of the flat buffer and each ``.grad`` its view
+of the grad buffer (``all_set_to``), and other plans that each param lies where and as it did (``layouts``): a
+cache must never outlive what it caches; the params with grads are collected (``with_grads``); every level
+counts the step as an in-place write to each param (``bump_versions``); and each param's state dict gets the
+new ``step`` (``set_each``). From Python each is 0.1-1.2 us a tensor with the caches cold after the step:
+milliseconds a step for the 4000 tensors of a 2000-layer MLP, as long as the 8-bit step's own work. Here each
+is one call over the whole list (15-90 ns a tensor, the cache misses of many tensors overlapped by
+prefetching): a small CPython extension built against the installed torch's headers at first use, cached
+beside the CPU kernels (its name carries the torch and Python versions it was built for). Where it cannot be
+built (no compiler, no Python headers) Python loops give the same results.
 """
 
 from __future__ import annotations
@@ -47,8 +48,8 @@ static bool is_tensor(PyObject* x) {  // Tensor and Parameter by type; a subclas
     return THPVariable_CheckExact(x) || PyObject_TypeCheck(x, reinterpret_cast<PyTypeObject*>(THPVariableClass));
 }
 
-// the TensorImpl of each item of a list or tuple (its .grad's where grads); null where not a tensor or no grad
-static std::vector<c10::TensorImpl*> impls(PyObject* seq, bool grads) {
+// the TensorImpl of each item of a list or tuple; null where not a tensor
+static std::vector<c10::TensorImpl*> impls(PyObject* seq) {
     const size_t n = PySequence_Fast_GET_SIZE(seq);
     PyObject** items = PySequence_Fast_ITEMS(seq);
     std::vector<c10::TensorImpl*> out(n);
@@ -56,18 +57,30 @@ static std::vector<c10::TensorImpl*> impls(PyObject* seq, bool grads) {
         if (i + AHEAD < n) prefetch(items[i + AHEAD], 1);
         out[i] = is_tensor(items[i]) ? THPVariable_Unpack(items[i]).unsafeGetTensorImpl() : nullptr;
     }
-    if (!grads) return out;
+    return out;
+}
+
+// the TensorImpl of each tensor's .grad; null where no tensor or no grad
+static std::vector<c10::TensorImpl*> grad_impls(const std::vector<c10::TensorImpl*>& tensors) {
+    const size_t n = tensors.size();
     std::vector<c10::AutogradMetaInterface*> meta(n);
     for (size_t i = 0; i < n; ++i) {
-        if (i + AHEAD < n && out[i + AHEAD]) prefetch(out[i + AHEAD], 4);
-        meta[i] = out[i] ? out[i]->autograd_meta() : nullptr;
+        if (i + AHEAD < n && tensors[i + AHEAD]) prefetch(tensors[i + AHEAD], 4);
+        meta[i] = tensors[i] ? tensors[i]->autograd_meta() : nullptr;
     }
+    std::vector<c10::TensorImpl*> out(n);
     for (size_t i = 0; i < n; ++i) {
         if (i + AHEAD < n && meta[i + AHEAD]) prefetch(meta[i + AHEAD], 2);
         const at::TensorBase* grad = meta[i] ? &meta[i]->grad() : nullptr;
         out[i] = grad && grad->defined() ? grad->unsafeGetTensorImpl() : nullptr;
     }
     return out;
+}
+
+static bool sequence(PyObject* x, const char* what) {
+    if (PyList_Check(x) || PyTuple_Check(x)) return true;
+    PyErr_Format(PyExc_TypeError, "%s takes a list or tuple, not %s", what, Py_TYPE(x)->tp_name);
+    return false;
 }
 
 // Whether a tensor's values are what its memory holds, read as it lies: strided, not one with a lazy negation or
@@ -95,14 +108,11 @@ static bool set_to(const c10::TensorImpl* a, const c10::TensorImpl* b) {
 static PyObject* all_set_to(PyObject*, PyObject* args) {
     PyObject *a, *b;
     int grads;
-    if (!PyArg_ParseTuple(args, "OOp", &a, &b, &grads)) return nullptr;
-    if (!(PyList_Check(a) || PyTuple_Check(a)) || !(PyList_Check(b) || PyTuple_Check(b))) {
-        PyErr_SetString(PyExc_TypeError, "all_set_to takes two lists or tuples");
+    if (!PyArg_ParseTuple(args, "OOp", &a, &b, &grads) || !sequence(a, "all_set_to") || !sequence(b, "all_set_to"))
         return nullptr;
-    }
     if (PySequence_Fast_GET_SIZE(a) != PySequence_Fast_GET_SIZE(b)) Py_RETURN_FALSE;
     try {  // a tensor whose storage or sizes cannot be read here (sparse, symbolic, a subclass's own): False
-        const std::vector<c10::TensorImpl*> x = impls(a, grads), y = impls(b, false);
+        const std::vector<c10::TensorImpl*> x = grads ? grad_impls(impls(a)) : impls(a), y = impls(b);
         for (size_t i = 0; i < x.size(); ++i) {
             if (i + AHEAD < x.size()) {
                 if (x[i + AHEAD]) prefetch(x[i + AHEAD], 4);
@@ -114,12 +124,6 @@ static PyObject* all_set_to(PyObject*, PyObject* args) {
         Py_RETURN_FALSE;
     }
     Py_RETURN_TRUE;
-}
-
-static bool sequence(PyObject* x, const char* what) {
-    if (PyList_Check(x) || PyTuple_Check(x)) return true;
-    PyErr_Format(PyExc_TypeError, "%s takes a list or tuple, not %s", what, Py_TYPE(x)->tp_name);
-    return false;
 }
 
 static bool all_tensors(PyObject* seq, const char* what) {
@@ -138,7 +142,7 @@ static PyObject* bump_versions(PyObject*, PyObject* seq) {
     const size_t n = PySequence_Fast_GET_SIZE(seq);
     PyObject** items = PySequence_Fast_ITEMS(seq);
     try {
-        const std::vector<c10::TensorImpl*> x = impls(seq, false);
+        const std::vector<c10::TensorImpl*> x = impls(seq);
         for (size_t i = 0; i < n; ++i) {
             if (i + AHEAD < n) prefetch(x[i + AHEAD], 4);
             const at::Tensor& t = THPVariable_Unpack(items[i]);
@@ -179,7 +183,7 @@ static PyObject* layouts(PyObject*, PyObject* args) {
     if (!PyArg_ParseTuple(args, "Op", &seq, &shapes) || !sequence(seq, "layouts") || !all_tensors(seq, "layouts"))
         return nullptr;
     try {
-        const std::vector<c10::TensorImpl*> x = impls(seq, false);
+        const std::vector<c10::TensorImpl*> x = impls(seq);
         std::vector<int64_t> out;
         out.reserve(x.size() * (shapes ? 10 : 1));
         for (size_t i = 0; i < x.size(); ++i) {
@@ -212,7 +216,7 @@ static PyObject* with_grads(PyObject*, PyObject* args) {
         if (!THPVariable_CheckExact(items[i]) && Py_TYPE(items[i]) != reinterpret_cast<PyTypeObject*>(parameter_type))
             Py_RETURN_NONE;
     try {
-        const std::vector<c10::TensorImpl*> x = impls(seq, false), g = impls(seq, true);
+        const std::vector<c10::TensorImpl*> x = impls(seq), g = grad_impls(x);
         PyObject *params = PyList_New(0), *grads = PyList_New(0);
         bool plain = true;
         for (Py_ssize_t i = 0; i < n && params && grads; ++i) {

@@ -237,8 +237,7 @@ class Plan:
 
     def same_layouts(self, params: list[Tensor]) -> bool:
         """Each param's data where and as it was at commit. In flat mode, each still is its view of the buffer:
-        one pass against views the buffer keeps anyway (the three passes of ``layouts`` over thousands of params
-        cost more than the step's own work once a step has left the caches cold)."""
+        one pass against views the buffer keeps anyway (cheaper than reading each param's address and shape)."""
         if self.flat is not None:
             return all(fb.intact() for fb in self.flat)
         return bulk.layouts(params) == self.layouts
