@@ -1,0 +1,85 @@
+"""accelerate with fastoptim: save_state/load_state resume equals a straight run; a step GradScaler skips is reported
+as skipped and holds the LR, as with torch.optim."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from .kinds import KIND_NAMES, KINDS, TinyLM, tokens
+
+accelerate = pytest.importorskip("accelerate")
+from accelerate.state import AcceleratorState, GradientState, PartialState  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def fresh_accelerator_state():
+    """Accelerator keeps process-wide state: each test starts from none."""
+    for reset in (AcceleratorState._reset_state, PartialState._reset_state, GradientState._reset_state):
+        reset()
+    yield
+    for reset in (AcceleratorState._reset_state, PartialState._reset_state, GradientState._reset_state):
+        reset()
+
+
+BATCHES = tokens(24).split(4)
+
+
+def run(make_optimizer, steps=range(6), mixed_precision="no", save=None, load=None, scaler=None, inf_at=()):
+    AcceleratorState._reset_state(reset_partial_state=True)
+    acc = accelerate.Accelerator(cpu=True, mixed_precision=mixed_precision)
+    if scaler is not None:  # accelerate makes one only for fp16 on an accelerator: given here, as it would be there
+        acc.scaler = scaler
+    torch.manual_seed(0)
+    model = TinyLM()
+    opt = make_optimizer(model)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.8 ** s)
+    model, opt, sched = acc.prepare(model, opt, sched)
+    if load:
+        acc.load_state(load)
+    skipped, lrs = [], []
+    for i in steps:
+        ids = BATCHES[i]
+        with acc.autocast():
+            loss = torch.nn.functional.cross_entropy(model(ids[:, :-1]).flatten(0, 1).float(), ids[:, 1:].flatten())
+        acc.backward(loss)
+        if i in inf_at:
+            next(model.parameters()).grad.view(-1)[0] = float("inf")
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        skipped.append(opt.step_was_skipped)
+        lrs.append(sched.get_last_lr()[0])
+        if save and i == 2:
+            acc.save_state(save)
+    return acc.unwrap_model(model), skipped, lrs
+
+
+@pytest.mark.parametrize("mixed_precision", ["no", "bf16"])
+@pytest.mark.parametrize("kind", KIND_NAMES)
+def test_save_state_resume(kind, mixed_precision, tmp_path):
+    """save_state writes the model with safetensors (the default): every tensor must come back."""
+    make = KINDS[kind].make
+    straight, _, _ = run(make, mixed_precision=mixed_precision, save=tmp_path)
+    resumed, _, _ = run(make, steps=range(3, 6), mixed_precision=mixed_precision, load=tmp_path)
+    for (name, a), b in zip(straight.state_dict().items(), resumed.state_dict().values()):
+        assert torch.equal(a, b), name
+    if KINDS[kind].torch_twin is not None and mixed_precision == "no":
+        twin, _, _ = run(KINDS[kind].torch_twin)
+        for a, b in zip(straight.state_dict().values(), twin.state_dict().values()):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", KIND_NAMES)
+def test_grad_scaler_skip_is_reported(kind):
+    """An inf grad at step 2: GradScaler skips that step, accelerate says so, and the LR schedule holds."""
+    scaler = lambda: torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)  # noqa: E731
+    model, skipped, lrs = run(KINDS[kind].make, mixed_precision="bf16", scaler=scaler(), inf_at=(2,))
+    assert skipped == [False, False, True, False, False, False]
+    assert lrs[2] == lrs[1] and lrs[3] < lrs[2]
+    if KINDS[kind].torch_twin is not None:
+        twin, twin_skipped, twin_lrs = run(KINDS[kind].torch_twin, mixed_precision="bf16", scaler=scaler(),
+                                           inf_at=(2,))
+        assert (skipped, lrs) == (twin_skipped, twin_lrs)
+        for a, b in zip(model.state_dict().values(), twin.state_dict().values()):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

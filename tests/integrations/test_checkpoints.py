@@ -1,0 +1,114 @@
+"""What a model's and an optimizer's own checkpointing writes is the same with fastoptim at every setting:
+safetensors, torch.save/torch.load(weights_only=True), pickle and deepcopy; and torch.compile of a step function."""
+
+from __future__ import annotations
+
+import copy
+import io
+import pickle
+
+import pytest
+import torch
+
+from .kinds import KIND_NAMES, KINDS, TinyLM, tokens
+
+BATCHES = tokens(24).split(4)
+
+
+def train_steps(model, opt, steps):
+    for i in steps:
+        ids = BATCHES[i]
+        loss = torch.nn.functional.cross_entropy(model(ids[:, :-1]).flatten(0, 1), ids[:, 1:].flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def setup(kind, steps=range(3)):
+    torch.manual_seed(0)
+    model = TinyLM()
+    opt = KINDS[kind].make(model)
+    train_steps(model, opt, steps)
+    return model, opt
+
+
+def assert_same(a: torch.nn.Module, b: torch.nn.Module):
+    for (name, x), y in zip(a.state_dict().items(), b.state_dict().values()):
+        assert torch.equal(x, y), name
+
+
+@pytest.mark.parametrize("kind", KIND_NAMES)
+def test_safetensors_round_trip(kind, tmp_path):
+    safetensors = pytest.importorskip("safetensors.torch")
+    model, opt = setup(kind)
+    safetensors.save_model(model, str(tmp_path / "m.safetensors"))
+    safetensors.save_file(model.state_dict(), str(tmp_path / "sd.safetensors"))
+    loaded = TinyLM()
+    missing, unexpected = safetensors.load_model(loaded, str(tmp_path / "m.safetensors"))
+    assert not missing and not unexpected
+    assert_same(model, loaded)
+    assert set(safetensors.load_file(str(tmp_path / "sd.safetensors"))) == set(model.state_dict())
+    # the optimizer state goes with torch.save; model and optimizer resumed equal a straight run
+    buffer = io.BytesIO()
+    torch.save(opt.state_dict(), buffer)
+    resumed_opt = KINDS[kind].make(loaded)
+    resumed_opt.load_state_dict(torch.load(io.BytesIO(buffer.getvalue()), weights_only=True))
+    train_steps(model, opt, range(3, 6))
+    train_steps(loaded, resumed_opt, range(3, 6))
+    assert_same(model, loaded)
+
+
+@pytest.mark.parametrize("kind", KIND_NAMES)
+def test_model_state_dict_unchanged_by_settings(kind, tmp_path):
+    """torch.save of the model writes each param's own bytes: the file is the size a plain model's is."""
+    model, _ = setup(kind)
+    plain = TinyLM()
+    sizes = []
+    for m in (model, plain):
+        buffer = io.BytesIO()
+        torch.save(m.state_dict(), buffer)
+        sizes.append(len(buffer.getvalue()))
+    assert sizes[0] == pytest.approx(sizes[1], rel=0.01)
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+@pytest.mark.parametrize("kind", KIND_NAMES)
+def test_copies_continue_as_the_original(kind, how):
+    model, opt = setup(kind)
+    if how == "deepcopy":
+        model2, opt2 = copy.deepcopy((model, opt))
+    else:
+        model2, opt2 = pickle.loads(pickle.dumps((model, opt)))
+    assert opt2.state_dict()["param_groups"] == opt.state_dict()["param_groups"]
+    train_steps(model, opt, range(3, 6))
+    train_steps(model2, opt2, range(3, 6))
+    assert_same(model, model2)
+
+
+@pytest.mark.parametrize("kind", KIND_NAMES)
+def test_pickle_size(kind):
+    """An optimizer pickles to about the size of its state (flat mode's views do not each carry the buffer)."""
+    _, opt = setup(kind)
+    _, reference = setup("32")
+    size, reference_size = len(pickle.dumps(opt)), len(pickle.dumps(reference))
+    assert size < 2.5 * reference_size, (size, reference_size)
+
+
+@pytest.mark.parametrize("kind", KIND_NAMES)
+def test_compiled_step_function(kind):
+    """torch.compile of a function that calls opt.step(), as PyTorch's docs teach: eager's numbers."""
+    torch._dynamo.reset()
+    model, opt = setup(kind, steps=())
+    eager, eager_opt = setup(kind, steps=())
+
+    @torch.compile
+    def step():
+        opt.step()
+
+    for i in range(3):
+        for m, o, s in ((model, opt, step), (eager, eager_opt, eager_opt.step)):
+            ids = BATCHES[i]
+            torch.nn.functional.cross_entropy(m(ids[:, :-1]).flatten(0, 1), ids[:, 1:].flatten()).backward()
+            s()
+            o.zero_grad()
+    assert_same(model, eager)

@@ -1,0 +1,77 @@
+"""HF Trainer with fastoptim: losses equal torch.optim's, and a run resumed from a checkpoint equals a straight run."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from .kinds import KIND_NAMES, KINDS, tokens
+
+transformers = pytest.importorskip("transformers")
+
+
+class Tokens(torch.utils.data.Dataset):
+    def __init__(self, n: int = 32):
+        self.ids = tokens(n)
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def tiny_llama() -> torch.nn.Module:
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=32)
+    return transformers.LlamaForCausalLM(config)
+
+
+def train(out, make_optimizer=None, cls_and_kwargs=None, max_steps=6, resume=None, **args):
+    model = tiny_llama()
+    trainer_args = transformers.TrainingArguments(
+        output_dir=str(out), per_device_train_batch_size=4, max_steps=max_steps, save_steps=3, save_strategy="steps",
+        logging_steps=1, report_to=[], use_cpu=True, seed=0, learning_rate=1e-3, disable_tqdm=True,
+        dataloader_num_workers=0, **args)
+    optimizers = (make_optimizer(model), None) if make_optimizer else (None, None)
+    trainer = transformers.Trainer(model=model, args=trainer_args, train_dataset=Tokens(), optimizers=optimizers,
+                                   optimizer_cls_and_kwargs=cls_and_kwargs)
+    trainer.train(resume_from_checkpoint=resume)
+    losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
+    return model, losses, trainer
+
+
+@pytest.mark.parametrize("kind", KIND_NAMES)
+def test_resume_equals_straight_run(kind, tmp_path):
+    k = KINDS[kind]
+    straight, losses, _ = train(tmp_path / "a", k.make)
+    assert losses[-1] < losses[0]
+    resumed, _, _ = train(tmp_path / "a", k.make, resume=str(tmp_path / "a" / "checkpoint-3"))
+    for (name, a), b in zip(straight.state_dict().items(), resumed.state_dict().values()):
+        assert torch.equal(a, b), name
+    if k.torch_twin is not None:
+        _, torch_losses, _ = train(tmp_path / "t", k.torch_twin)
+        assert losses == pytest.approx(torch_losses, rel=1e-5, abs=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["32", "8-flat"])
+def test_optimizer_cls_and_kwargs(kind, tmp_path):
+    """The Trainer builds the optimizer itself (its decay groups), and saves and resumes it."""
+    cls, kwargs = KINDS[kind].cls_and_kwargs
+    straight, losses, trainer = train(tmp_path / "a", cls_and_kwargs=(cls, kwargs))
+    assert isinstance(trainer.optimizer.optimizer if hasattr(trainer.optimizer, "optimizer") else trainer.optimizer, cls)
+    resumed, _, _ = train(tmp_path / "a", cls_and_kwargs=(cls, kwargs), resume=str(tmp_path / "a" / "checkpoint-3"))
+    assert all(torch.equal(a, b) for a, b in zip(straight.state_dict().values(), resumed.state_dict().values()))
+    if kind == "32":
+        _, torch_losses, _ = train(tmp_path / "t", cls_and_kwargs=(torch.optim.AdamW, {"lr": 1e-3, "weight_decay": 0.01,
+                                                                                         "foreach": False}))
+        assert losses == pytest.approx(torch_losses, rel=1e-5, abs=1e-6)
+
+
+def test_gradient_accumulation_and_clipping(tmp_path):
+    """The Trainer's own clipping (max_grad_norm) and accumulation, against torch.optim's AdamW."""
+    extra = dict(gradient_accumulation_steps=2, max_grad_norm=0.5)
+    _, losses, _ = train(tmp_path / "a", KINDS["32"].make, **extra)
+    _, torch_losses, _ = train(tmp_path / "t", KINDS["32"].torch_twin, **extra)
+    assert losses == pytest.approx(torch_losses, rel=1e-5, abs=1e-6)
