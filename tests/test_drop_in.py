@@ -1,8 +1,13 @@
-"""Small drop-in details of torch.optim: complex params refused at the step as torch refuses them."""
+"""Small drop-in details of torch.optim: complex params refused at the step as torch refuses them, and a
+resumed, deep-copied or unpickled optimizer whose state_dict has the keys of the one saved."""
+
+import copy
+import pickle
 
 import pytest
 import torch
 
+from conftest import NAME_FLAT, make_params, set_grads, two_groups
 from fastoptim.levels import LEVELS
 from fastoptim.reference import ReferenceMuon
 from fastoptim.registry import OPTIMIZERS
@@ -79,3 +84,40 @@ def test_muon_adamw_groups_take_complex_params():
         ours.step()
         theirs.step()
     torch.testing.assert_close(p, q, atol=1e-6, rtol=1e-5)
+
+
+# --- a resumed optimizer's state_dict has the keys of the one saved ------------------------------------------
+
+def _keys(opt):
+    sd = opt.state_dict()
+    return (sorted(sd), [sorted(g) for g in sd["param_groups"]], {i: sorted(s) for i, s in sd["state"].items()},
+            sorted(opt.defaults))
+
+
+def _stepped(name, flat):
+    params = make_params(name=name)
+    opt = OPTIMIZERS[name].cls(two_groups(params, {}), flat=flat)
+    for step in (1, 2):
+        set_grads(step, [params])
+        opt.step()
+    return opt, params
+
+
+@pytest.mark.parametrize("name,flat", NAME_FLAT)
+def test_load_state_dict_deepcopy_and_pickle_keep_the_keys(name, flat):
+    """torch's Optimizer.__setstate__ adds ``differentiable`` to ``defaults``; no fastoptim optimizer takes it, so
+    it must not reach the groups (a resumed run's checkpoint would differ from the straight run's)."""
+    opt, _ = _stepped(name, flat)
+    saved = _keys(opt)
+    assert "differentiable" not in saved[1][0]
+
+    copied = copy.deepcopy(opt)
+    assert _keys(copied) == saved
+    unpickled = pickle.loads(pickle.dumps(opt))
+    assert _keys(unpickled) == saved
+    opt.load_state_dict(opt.state_dict())
+    assert _keys(opt) == saved
+    # and a fresh optimizer that loads the checkpoint
+    fresh, _ = _stepped(name, flat)
+    fresh.load_state_dict(copied.state_dict())
+    assert _keys(fresh) == saved
