@@ -70,8 +70,9 @@ def test_fsdp2_muon_with_8bit_momentum_matches_one_process_bit_for_bit(dist_resu
 
 
 def test_fsdp2_muon_recipe_matches_one_process(dist_results):
-    """create(model, "muon"): Muon for the matrices, AdamW for the biases, whose elementwise kernels round a few
-    elements differently on the shards' shapes (as in test_fsdp2_matches_one_process)."""
+    """create(model, "muon"): Muon for the hidden matrices, AdamW for the biases and the output layer (the last
+    Linear), whose elementwise kernels round a few elements differently on the shards' shapes (as in
+    test_fsdp2_matches_one_process)."""
     assert dist_results["muon recipe fsdp2"] < 1e-6
 
 
