@@ -141,20 +141,16 @@ def test_muon_refuses_params_that_are_not_matrices(bad):
     fastoptim.Muon([{"params": [p], "use_muon": False}])  # AdamW takes it
 
 
-def test_muon_refuses_complex_and_bad_hyper_parameters():
-    with pytest.raises(ValueError, match="complex"):
-        fastoptim.Muon([torch.nn.Parameter(torch.zeros(2, 2, dtype=torch.complex64))])
+def test_muon_refuses_bad_hyper_parameters():  # (complex params: tests/test_drop_in.py)
     for bad in (dict(ns_steps=-1), dict(adjust_lr_fn="other"), dict(ns_coefficients=(1.0, 2.0)),
                 dict(ns_dtype="float16"), dict(momentum=-0.5), dict(lr=-1.0)):
         with pytest.raises(ValueError):
             fastoptim.Muon(_matrices(), **bad)
 
 
-def test_adafactor_refuses_flat_mode_and_complex():
+def test_adafactor_refuses_flat_mode():  # (complex params: tests/test_drop_in.py)
     with pytest.raises(ValueError, match="flat=True"):
         fastoptim.Adafactor(_matrices(), flat=True)
-    with pytest.raises(ValueError, match="complex"):
-        fastoptim.Adafactor([torch.nn.Parameter(torch.zeros(2, 2, dtype=torch.complex64))])
 
 
 @pytest.mark.parametrize("level", LEVELS)
@@ -507,8 +503,6 @@ def test_muon_pickled_with_betas_in_defaults_moves_them_to_group_defaults():
 def test_named_params_are_checked_as_their_tensors_and_refused_states_name_the_algorithm():
     with pytest.raises(ValueError, match="2-D matrices only"):
         fastoptim.Muon([("v", torch.nn.Parameter(torch.zeros(5)))])
-    with pytest.raises(ValueError, match="complex"):
-        fastoptim.Adafactor([("c", torch.nn.Parameter(torch.zeros(2, 2, dtype=torch.complex64)))])
     named = fastoptim.Muon([("w", torch.nn.Parameter(torch.zeros(3, 4)))], flat=True)
     assert named.param_groups[0]["param_names"] == ["w"]
     theirs = torch.optim.Muon(_matrices()[:1])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import warnings
 from typing import Any, Iterable
 
@@ -25,15 +26,29 @@ def param_groups(model: torch.nn.Module, weight_decay: float | None = None) -> l
     return [g for g in groups if g["params"]]
 
 
-# the usual names of an output head's module (one part of its qualified name: "lm_head", "heads.0")
-HEAD_NAMES = frozenset({"head", "heads", "lm_head", "output", "classifier", "logits", "embed_out", "unembed"})
+# the usual names of an output head: a Linear's own name or its outermost module's ("lm_head", "heads.0",
+# "classifier.6", "head.fc"); names inside a block ("layer.0.output.dense") are not looked at
+HEAD_NAMES = frozenset({"head", "heads", "lm_head", "output", "classifier", "logits", "embed_out", "unembed",
+                        "fc", "out", "score", "last_linear"})
+
+
+def _named_like_head(name: str) -> bool:
+    parts = name.split(".")
+    return parts[-1] in HEAD_NAMES or parts[0] in HEAD_NAMES
 
 
 def output_heads(model: torch.nn.Module) -> list[torch.nn.Parameter]:
-    """The weights of the model's output heads that are not an embedding's own (tied heads are): among the
-    Linears whose out_features is an embedding's vocabulary size, the only one or, where there are several (a
-    hidden Linear may be as wide as a vocabulary or a positional table), those named like a head
-    (``HEAD_NAMES``). Several and none so named, with no tied head: a warning, and none (pass ``head=``)."""
+    """The weights of the model's output heads that are not an embedding's own (tied heads are), by a stated rule:
+
+    * a language model (an Embedding, and Linears whose out_features is its vocabulary size): the only such
+      Linear, or, where there are several (a hidden Linear may be as wide as a vocabulary or a positional
+      table), those named like a head (``HEAD_NAMES``); several and none so named, with no tied head: a warning,
+      and none;
+    * a classifier (no tied head and no Linear as wide as a vocabulary): the Linears named like a head, else
+      the last Linear registered (the output layer of ``nn.Sequential`` MLPs and of most models). A warning
+      names the choice where it is a guess: chosen by position, or several named.
+
+    ``muon_groups(head=...)`` says it outright instead."""
     embeddings = [m for m in model.modules() if isinstance(m, torch.nn.Embedding)]
     vocab = {m.num_embeddings for m in embeddings}
     tables = {id(m.weight) for m in embeddings}
@@ -42,12 +57,41 @@ def output_heads(model: torch.nn.Module) -> list[torch.nn.Parameter]:
     wide = [(name, m) for name, m in linears if m.out_features in vocab and id(m.weight) not in tables]
     if len(wide) == 1 and not tied:
         return [wide[0][1].weight]
-    named = [m.weight for name, m in wide if HEAD_NAMES & set(name.split("."))]
-    if wide and not named and not tied:
-        warnings.warn(f"muon_groups: {len(wide)} Linears are as wide as an embedding ({', '.join(n for n, _ in wide)}) "
-                      "and none is named like an output head: all stay on Muon; pass head= (the head's module or "
-                      "weight, or () for none) to say which", UserWarning, stacklevel=3)
-    return named
+    if wide or tied:
+        named = [m.weight for name, m in wide if _named_like_head(name)]
+        if wide and not named and not tied:
+            _warn(f"muon_groups: {len(wide)} Linears are as wide as an embedding ({', '.join(n for n, _ in wide)}) "
+                  "and none is named like an output head: all stay on Muon; pass head= (the head's module or "
+                  "weight, or () for none) to say which")
+        return named
+    return _classifier_head(linears)
+
+
+def _warn(message: str) -> None:
+    """A UserWarning that points at the first caller outside this module (of create() or muon_groups())."""
+    frame, level = sys._getframe(0), 1
+    while frame is not None and frame.f_code.co_filename == __file__:
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, UserWarning, stacklevel=level)
+
+
+def _shown(name: str) -> str:
+    return repr(name) if name else "the model itself"
+
+
+def _classifier_head(linears: list[tuple[str, torch.nn.Linear]]) -> list[torch.nn.Parameter]:
+    """A model without a language model's head: its Linears named like a head, else its last Linear (Muon would
+    orthogonalise the logits' weights, which the recipe keeps on AdamW)."""
+    named = [(name, m) for name, m in linears if _named_like_head(name)]
+    say = "pass head= (the head's module or weight, or () for none) to say which"
+    if len(named) > 1:
+        _warn(f"muon_groups: {len(named)} Linears are named like an output head "
+              f"({', '.join(_shown(n) for n, _ in named)}): all are taken as output heads and stepped by AdamW; {say}")
+    elif not named and linears:
+        named = linears[-1:]
+        _warn(f"muon_groups: no Linear is named like an output head or tied to an embedding: the last one "
+              f"registered, {_shown(named[0][0])}, is taken as the output head and stepped by AdamW; {say}")
+    return [m.weight for _, m in named]
 
 
 def muon_groups(model: torch.nn.Module, weight_decay: float | None = None, adamw_lr: float = 3e-4,

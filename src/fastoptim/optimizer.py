@@ -480,6 +480,7 @@ class FastOptimizer(torch.optim.Optimizer):
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__["_pending_skips"] = []  # they speak of the state being replaced
         super().__setstate__(state)
+        self.defaults.pop("differentiable", None)  # torch's adds it (no rule takes it): groups would get it below
         if "state" in self.__dict__:  # torch writes the loaded state straight into __dict__
             self._state = plan.as_state_map(self.__dict__.pop("state"), adopt=True)
         # unpickled or deep-copied objects come without the step-to-step caches: start them afresh

@@ -452,6 +452,10 @@ def build(rule, group: dict, params: list[Tensor], state_map: StateMap, state_fo
     ``state_format(p, name, group)`` says how a state is kept (``storage``); ``param_index(p)`` numbers
     params in error messages. In flat mode ``params`` are all the group's params, in order.
     """
+    for p in params:  # what torch.optim refuses at its step (in flat mode only params with a grad, as torch)
+        why = rule.check_stepped_param(p, group) if flat_buckets is None or p.grad is not None else None
+        if why:
+            raise RuntimeError(why)
     active = rule.active(group)
     names = [n for n, on in zip(rule.state_names, active) if on]
     plan = Plan(list(params), active, state_map, state_map.version)

@@ -88,8 +88,9 @@ class AdafactorRule(Rule):
             raise ValueError(f"Invalid d: {d} (the clipping threshold must be >= 1)")
         check_bool(group, "maximize")
 
-    def check_param(self, p, group):
-        return "Adafactor does not support complex params" if p.is_complex() else None
+    def check_stepped_param(self, p, group):
+        # (torch.optim.Adafactor takes complex params and refuses them at its step, only those with a grad)
+        return "Adafactor does not support complex parameters" if p.is_complex() else None
 
     def state_shape(self, name, p):
         factored = p.dim() >= 2

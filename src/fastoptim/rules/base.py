@@ -95,6 +95,11 @@ class Rule:
         """Why ``p`` cannot be stepped in ``group`` (None: it can); checked when the group is added."""
         return None
 
+    def check_stepped_param(self, p: Tensor, group: dict) -> str | None:
+        """Why ``p``, which has a grad, cannot be stepped in ``group`` (None: it can). For what torch.optim refuses
+        only in its step: checked when a step is planned, before anything changes, and raised as RuntimeError."""
+        return None
+
     def state_shape(self, name: str, p: Tensor) -> tuple | None:
         """The shape of state ``name`` of ``p`` (the param's, but for factored states), or None where ``p``
         keeps no such state (Adafactor's ``variance`` of a matrix). States of another shape than the param's

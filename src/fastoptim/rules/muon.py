@@ -145,13 +145,14 @@ class MuonRule(Rule):
 
     def check_param(self, p, group) -> str | None:
         """Why ``p`` cannot be stepped by this group (None: it can)."""
-        if group.get("use_muon", True):
-            if p.dim() != 2:
-                return (f"Muon steps 2-D matrices only, got a param of shape {tuple(p.shape)}: put it in a group "
-                        "with use_muon=False (AdamW), as fastoptim.create(model, 'muon') does")
-            if p.is_complex():
-                return "Muon does not support complex params"
+        if group.get("use_muon", True) and p.dim() != 2:
+            return (f"Muon steps 2-D matrices only, got a param of shape {tuple(p.shape)}: put it in a group "
+                    "with use_muon=False (AdamW), as fastoptim.create(model, 'muon') does")
         return None
+
+    def check_stepped_param(self, p, group) -> str | None:
+        # (torch.optim.Muon takes complex params and refuses them at its step; AdamW groups take them: for_group)
+        return "Muon does not support complex parameters" if p.is_complex() else None
 
     def refuses_quantized_state(self, group):
         return None
