@@ -44,6 +44,10 @@ def _is_shaped(value) -> bool:
     return isinstance(value, Tensor) and value.dim() > 0
 
 
+STEP_NOT_TRACEABLE = ("fastoptim's step and zero_grad run eagerly under torch.compile (a graph break): they call "
+                      "their own C++ and Triton kernels and keep Python-side caches, which Dynamo cannot trace; "
+                      "impl='fused'/'compiled' compile the step's math themselves. Call opt.step() outside "
+                      "fullgraph=True regions")
 STORAGE_SETTINGS = ("state_bits", "min_quant_size", "rounding")  # group keys that say how state is kept
 
 
@@ -209,6 +213,10 @@ class FastOptimizer(torch.optim.Optimizer):
 
     # --- the step -------------------------------------------------------------------------------
 
+    # Dynamo cannot trace the step (C++ extension calls, the native kernels' build, Python-side caches): a
+    # compiled function that calls it breaks its graph here and runs the step eagerly, with the same numbers;
+    # under fullgraph=True this reason is the error
+    @torch.compiler.disable(reason=STEP_NOT_TRACEABLE)
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None):
         loss = None
@@ -377,6 +385,7 @@ class FastOptimizer(torch.optim.Optimizer):
             raise ValueError(f"flat=True: param group {index} no longer holds the params its flat buffers were "
                              "made for (param_groups edited by hand); make a new optimizer for the new groups")
 
+    @torch.compiler.disable(reason=STEP_NOT_TRACEABLE)  # (as torch.optim's own zero_grad is)
     def zero_grad(self, set_to_none: bool = True) -> None:
         """In flat mode grads are views of one buffer per bucket: zeroed with one memset, never set to None."""
         if not self.flat:
