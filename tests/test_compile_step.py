@@ -136,3 +136,25 @@ def test_a_compiled_train_step_compiles_around_the_step_and_does_not_recompile(f
     torch.testing.assert_close(ours_losses, eager_losses, atol=1e-6, rtol=1e-5)  # (Inductor's forward: not bitwise)
     for a, b in zip(ours_p, eager_p):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+def test_the_compiled_level_still_compiles_its_own_kernel_inside_the_graph_break():
+    """The step runs eagerly under an outer torch.compile, but the compiled level's own compiled kernel still runs
+    (the outer function makes no graph of its own: the one graph is the level's)."""
+    from fastoptim.levels import record_paths
+
+    params = [torch.nn.Parameter(torch.randn(200, 100))]  # large enough that the level is not routed elsewhere
+    eager_p = clone_params(params)
+    ours, eager = (fastoptim.AdamW(ps, lr=1e-2, impl="compiled") for ps in (params, eager_p))
+    compiled_step = torch.compile(lambda: ours.step())
+    g = torch.Generator().manual_seed(0)
+    counters.clear()
+    with record_paths() as paths:
+        for _ in range(3):
+            grad = torch.randn(200, 100, generator=g)
+            params[0].grad, eager_p[0].grad = grad.clone(), grad.clone()
+            compiled_step()
+            eager.step()
+    assert set(paths) == {"compiled"}
+    assert counters["stats"]["unique_graphs"] == 1
+    assert torch.equal(params[0], eager_p[0])
