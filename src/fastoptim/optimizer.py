@@ -10,45 +10,22 @@ step counters as torch.optim does (0-d float tensors) and ``load_state_dict`` re
 With ``flat=True`` each group's params, grads and states live in one buffer per (device, dtype)
 (``flat.FlatBucket``) and a step is one pass over those buffers.
 
-torch.amp.GradScaler hands the step ``grad_scale`` and ``found_inf`` (``_step_supports_amp_scaling``):
-a step with inf/NaN grads changes nothing; otherwise grads are unscaled inside the update, together with
-the clip factor of ``max_grad_norm`` (global norm of the unscaled grads, one multi-tensor reduction). The fused
-GPU kernels read ``found_inf`` themselves (no host sync): the step is counted optimistically and taken
-back when the flag is read, at the next step or when ``state`` is read; other levels read the flag first.
+torch.amp.GradScaler: ``amp`` says when the step takes ``grad_scale``/``found_inf`` itself and what it does with them.
 """
 
 from __future__ import annotations
 
 import copy
 from functools import partial
-from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
 import torch
 from torch import Tensor
 
-from . import bulk, clip, levels, plan, storage
+from . import amp, bulk, clip, levels, plan, storage
 from .flat import FlatBucket
 from .levels import Bucket, is_dtensor, sharded, stages
 from .rules import Rule
-
-
-@dataclass
-class _Amp:
-    """What this step multiplies the grads by, and GradScaler's found_inf when the kernels skip by themselves."""
-    grad_mul: Tensor | None
-    found_inf: Tensor | None
-    taken: list = field(default_factory=list)  # what plan.take_back needs if the kernels skipped the step
-
-    def pending(self) -> tuple:
-        """The flag copied to host memory without waiting, and an event that says when it is there."""
-        if self.found_inf.device.type == "cuda":
-            flag = torch.empty((), dtype=self.found_inf.dtype, pin_memory=True)
-            flag.copy_(self.found_inf, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record()
-            return flag, done, self.taken
-        return self.found_inf.clone(), None, self.taken
 
 
 def _scalar_view(value):
@@ -67,12 +44,15 @@ def _is_shaped(value) -> bool:
     return isinstance(value, Tensor) and value.dim() > 0
 
 
+STEP_NOT_TRACEABLE = ("fastoptim's step and zero_grad run eagerly under torch.compile (a graph break): they call "
+                      "their own C++ and Triton kernels and keep Python-side caches, which Dynamo cannot trace; "
+                      "impl='fused'/'compiled' compile the step's math themselves. Call opt.step() outside "
+                      "fullgraph=True regions")
 STORAGE_SETTINGS = ("state_bits", "min_quant_size", "rounding")  # group keys that say how state is kept
 
 
 class FastOptimizer(torch.optim.Optimizer):
     rule: Rule
-    _step_supports_amp_scaling = True
 
     def __init__(self, params: Iterable, impl: str = "auto", flat: bool = False,
                  max_grad_norm: float | None = None, state_bits: int = 32,
@@ -120,6 +100,11 @@ class FastOptimizer(torch.optim.Optimizer):
         if self.__dict__.get("_pending_skips"):
             self._resolve_skips()
         self._state = plan.as_state_map(value)
+
+    @property
+    def _step_supports_amp_scaling(self) -> bool:
+        """Whether torch.amp.GradScaler hands ``step`` grad_scale/found_inf instead of unscaling itself (``amp``)."""
+        return amp.scales_in_kernel(self)
 
     @property
     def _bucket_caches(self) -> dict[tuple, dict]:
@@ -228,6 +213,10 @@ class FastOptimizer(torch.optim.Optimizer):
 
     # --- the step -------------------------------------------------------------------------------
 
+    # Dynamo cannot trace the step (C++ extension calls, the native kernels' build, Python-side caches): a
+    # compiled function that calls it breaks its graph here and runs the step eagerly, with the same numbers;
+    # under fullgraph=True this reason is the error
+    @torch.compiler.disable(reason=STEP_NOT_TRACEABLE)
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None):
         loss = None
@@ -247,12 +236,12 @@ class FastOptimizer(torch.optim.Optimizer):
                      and not any(self.rule.for_group(group).stages for group, _, _ in work))
         if found_inf is not None and not in_kernel and found_inf.item() != 0:
             return loss  # GradScaler saw inf/NaN grads: this step changes nothing
-        amp = _Amp(self._grad_mul(work), found_inf if in_kernel else None)
+        step_amp = amp.StepAmp(self._grad_mul(work), found_inf if in_kernel else None)
         for index, (step_plan, (group, _, grads)) in enumerate(zip(plans, work)):
             if step_plan is not None:
-                self._run_plan(index, step_plan, group, grads, amp)
+                self._run_plan(index, step_plan, group, grads, step_amp)
         if in_kernel:
-            self._pending_skips.append(amp.pending())
+            self._pending_skips.append(step_amp.pending())
         return loss
 
     def _plan(self, index: int, group: dict, params: list[Tensor]) -> plan.Plan | None:
@@ -280,7 +269,7 @@ class FastOptimizer(torch.optim.Optimizer):
         return built
 
     def _run_plan(self, index: int, step_plan: plan.Plan, group: dict, grads: list[Tensor] | None,
-                  amp: "_Amp") -> None:
+                  step_amp: amp.StepAmp) -> None:
         if self._plans.get(index) is not step_plan:  # a new plan (its buckets' level caches start empty)
             step_plan.commit()
             if step_plan.reusable:
@@ -289,11 +278,11 @@ class FastOptimizer(torch.optim.Optimizer):
                 self._plans.pop(index, None)
         rule, run = self.rule.for_group(group), None
         taken = step_plan.advance(rule, group)
-        if amp.found_inf is not None:
-            amp.taken.extend(taken)
+        if step_amp.found_inf is not None:
+            step_amp.taken.extend(taken)
         group = _hyper_view(group)
         flags = rule.flags(group)
-        extra = {} if amp.found_inf is None else {"found_inf": amp.found_inf}
+        extra = {} if step_amp.found_inf is None else {"found_inf": step_amp.found_inf}
         bits, _, rounding = self._storage_settings(group)
         for bucket in step_plan.buckets:
             level_bucket = Bucket(bucket.params, bucket.grads(grads), bucket.states, bucket.cache,
@@ -303,7 +292,7 @@ class FastOptimizer(torch.optim.Optimizer):
             rounded = storage.rounds_in_fp32(bucket.params[0].dtype, rounding)
             if bucket.staged is None:  # plain formats are checked to be the param's dtype: never staged
                 bucket.staged = rounded or bits != 32 and storage.needs_staging(bucket.params, bucket.states)
-            grad_mul = amp.grad_mul
+            grad_mul = step_amp.grad_mul
             if bucket.staged and grad_mul is not None:  # fp32 temporaries step with an fp32 factor (the same value)
                 grad_mul = grad_mul.float()
             args = (group, bucket.step, rule.scalars(group, bucket.step, *bucket.host_before),
@@ -396,6 +385,7 @@ class FastOptimizer(torch.optim.Optimizer):
             raise ValueError(f"flat=True: param group {index} no longer holds the params its flat buffers were "
                              "made for (param_groups edited by hand); make a new optimizer for the new groups")
 
+    @torch.compiler.disable(reason=STEP_NOT_TRACEABLE)  # (as torch.optim's own zero_grad is)
     def zero_grad(self, set_to_none: bool = True) -> None:
         """In flat mode grads are views of one buffer per bucket: zeroed with one memset, never set to None."""
         if not self.flat:

@@ -27,7 +27,7 @@ class ReferenceLion(torch.optim.Optimizer):
         self.compute_dtype = compute_dtype
 
     @torch.no_grad()
-    def step(self):
+    def step(self, closure=None):  # (torch.optim's signature: trainers pass closure=None; none is taken here)
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             lr, weight_decay = group["lr"], group["weight_decay"]
@@ -60,7 +60,7 @@ class ReferenceMuon(torch.optim.Muon):
         self.ns_dtype = NS_DTYPES.get(ns_dtype, ns_dtype) or fast_matmul_dtype("cpu")
 
     @torch.no_grad()
-    def step(self):
+    def step(self, closure=None):  # (torch.optim's signature: trainers pass closure=None; none is taken here)
         from torch.optim._muon import _adjust_lr
         for group in self.param_groups:
             a, b, c = group["ns_coefficients"]

@@ -113,6 +113,13 @@ def skips_in_kernel(impl: str, device: torch.device) -> bool:
     return impl in ("auto", "fused") and uses_triton(device)
 
 
+def may_skip_in_kernel(impl: str) -> bool:
+    """Whether ``skips_in_kernel`` can hold for ``impl`` on any device here: a quick answer before looking at
+    every param's device (no Triton, or neither CUDA nor Triton's interpreter: never)."""
+    return (impl in ("auto", "fused") and triton_available()
+            and (os.environ.get("TRITON_INTERPRET") == "1" or torch.cuda.is_available()))
+
+
 @lru_cache(maxsize=None)
 def _runs() -> dict[str, Callable]:
     from . import compiled, foreach, fused, loop  # imported late: they import Bucket from here
@@ -209,4 +216,4 @@ def stored_level(impl: str, device: torch.device, rounding: str = "nearest") -> 
 
 
 __all__ = ["IMPLS", "LEVELS", "PATHS", "Bucket", "check_impl", "is_dtensor", "level", "own_paths", "pack_scalars",
-           "record_paths", "say_routed", "stored_level", "scaled_grads", "skips_in_kernel", "took", "triton_available", "uses_triton"]
+           "record_paths", "say_routed", "stored_level", "scaled_grads", "may_skip_in_kernel", "skips_in_kernel", "took", "triton_available", "uses_triton"]
