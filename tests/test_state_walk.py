@@ -206,15 +206,12 @@ WALKS = [lightning_optimizer_to_device, lightning_apply_to_collection_whole_stat
          accelerate_send_to_device_per_param, accelerate_recursively_apply, accelerate_prepare_moves_the_state_dict,
          manual_helper, manual_recursive_helper, manual_recursive_helper_by_to, manual_helper_into_plain_dicts,
          deepcopy, pickled, torch_save_load_weights_only]
-NEEDS = {"lightning": "lightning", "accelerate": "accelerate"}
+NEEDS = {"lightning": ("lightning", "lightning_utilities"), "accelerate": ("accelerate",)}  # by the walk's prefix
 
 
 def _needs(walk):
-    for prefix, module in NEEDS.items():
-        if walk.__name__.startswith(prefix):
-            pytest.importorskip(module, reason=f"{module} is not installed")
-            if module == "lightning":
-                pytest.importorskip("lightning_utilities", reason="lightning_utilities is not installed")
+    for module in NEEDS.get(walk.__name__.split("_")[0], ()):
+        pytest.importorskip(module, reason=f"{module} is not installed")
 
 
 @pytest.mark.parametrize("walk", WALKS, ids=lambda w: w.__name__)
@@ -398,7 +395,8 @@ def test_a_state_a_step_holds_refuses_its_fields_reassigned_and_a_copy_takes_the
 
 
 def test_a_walk_that_casts_every_tensor_is_refused_at_the_next_step_and_nothing_changes():
-    apply_func = pytest.importorskip("lightning_utilities.core.apply_func")
+    apply_func = pytest.importorskip("lightning_utilities.core.apply_func",
+                                     reason="lightning_utilities is not installed")
     opt, params, _ = _quantized()
     state = opt.state[params[0]]
     state["exp_avg"] = apply_func.apply_to_collection(state["exp_avg"], Tensor, lambda t: t.half())
@@ -432,10 +430,46 @@ def test_a_quantized_state_on_another_device_than_its_param_is_moved_there_at_th
     assert opt16.state[p]["step"] == 1
 
 
+@pytest.mark.parametrize("bits", BITS)
+def test_states_follow_their_params_to_another_device_as_lightning_resumes(bits):
+    """Lightning's resume: the model is moved to its device, then ``_optimizer_to_device`` moves the state after
+    it (the meta device stands for the other device here)."""
+    pytest.importorskip("lightning", reason="lightning is not installed")
+    from lightning.fabric.utilities.optimizer import _optimizer_to_device
+
+    params = _params()
+    opt = fastoptim.AdamW(params, state_bits=bits, **KW)
+    _run(opt, params, 1, 0)
+    for p in params:  # (as module.to() moves params where torch.__future__ says to swap them)
+        torch.utils.swap_tensors(p, torch.nn.Parameter(torch.empty_like(p, device="meta")))
+        p.grad = torch.empty_like(p)
+    _optimizer_to_device(opt, torch.device("meta"))
+    opt.step()
+    for p in params:
+        assert opt.state[p]["step"] == 2
+        assert all(v.device == p.device for k, v in opt.state[p].items() if k != "step")
+
+
+def test_a_cpu_checkpoint_loaded_for_params_on_another_device_is_put_there():
+    params = _params()
+    opt = fastoptim.AdamW(params, state_bits=8, **KW)
+    _run(opt, params, 1, 0)
+    on_meta = [torch.nn.Parameter(torch.empty_like(p, device="meta")) for p in params]
+    resumed = fastoptim.AdamW(on_meta, state_bits=8, **KW)
+    resumed.load_state_dict(opt.state_dict())
+    for p in on_meta:
+        p.grad = torch.empty_like(p)
+    resumed.step()
+    assert isinstance(resumed.state[on_meta[0]]["exp_avg"], storage.QuantizedState)
+    for p in on_meta:
+        assert resumed.state[p]["step"] == 2
+        assert all(v.device == p.device for k, v in resumed.state[p].items() if k != "step")
+
+
 def test_the_walked_state_map_is_the_optimizers_own_and_counts_its_changes():
     """A walk rebuilds ``optimizer.state`` as ``type(state)(...)``: the result is a StateMap whose per-param
     dicts it owns (so the step plan is reused again), holding every entry."""
-    pytest.importorskip("lightning_utilities")
+    pytest.importorskip("lightning_utilities", reason="lightning_utilities is not installed")
     from lightning_utilities.core.apply_func import apply_to_collection
 
     opt, params, _ = _quantized()
