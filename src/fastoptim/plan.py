@@ -18,7 +18,9 @@ What makes it stale, checked at every step before anything runs:
   * ``optimizer.state`` replaced by another mapping;
   * any change made through the mapping or a per-param dict: a cleared or deleted state, a state tensor
     added, removed or replaced, a step count written. ``StateMap`` and its ``StateDict`` values count
-    every such change in ``StateMap.version``; only the step's own bookkeeping writes past the count;
+    every such change in ``StateMap.version`` (``state_map``); only the step's own bookkeeping writes past
+    the count. Code that walks ``optimizer.state`` to move it puts moved copies in, which counts; a
+    ``QuantizedState`` a plan holds refuses its fields reassigned (``storage.state``);
   * a step the kernels skipped by themselves (GradScaler found inf), when it is taken back;
   * sharded (DTensor) or complex params: their local or real views are made anew every step, so such a
     group is planned afresh every step.
@@ -35,7 +37,6 @@ host floats moved by ``advance``; params step together only where they hold the 
 from __future__ import annotations
 
 import operator
-from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,141 +46,7 @@ from torch import Tensor
 from . import bulk, storage
 from .flat import FlatBucket, same_layout
 from .levels import is_dtensor
-
-
-# --- optimizer.state that counts its changes --------------------------------------------------------------
-
-class StateDict(dict):
-    """One param's state. Every change made through it counts in its mapping's ``version``."""
-
-    __slots__ = ("_owner",)
-
-    def __init__(self, owner: "StateMap", *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self._owner = owner
-
-    def _changed(self) -> None:
-        self._owner.version += 1
-
-    def __setitem__(self, key, value):
-        self._changed()
-        super().__setitem__(key, value)
-
-    def __delitem__(self, key):
-        self._changed()
-        super().__delitem__(key)
-
-    def __ior__(self, other):
-        self._changed()
-        return super().__ior__(other)
-
-    def clear(self):
-        self._changed()
-        super().clear()
-
-    def pop(self, *args):
-        self._changed()
-        return super().pop(*args)
-
-    def popitem(self):
-        self._changed()
-        return super().popitem()
-
-    def setdefault(self, key, default=None):
-        if key not in self:
-            self._changed()
-        return super().setdefault(key, default)
-
-    def update(self, *args, **kwargs):
-        self._changed()
-        super().update(*args, **kwargs)
-
-    def __reduce__(self):  # pickles (torch.save, deepcopy) as a plain dict
-        return dict, (dict(self),)
-
-
-class StateMap(defaultdict):
-    """``optimizer.state``: a ``defaultdict(dict)`` that counts its changes. The states it makes itself are
-    ``StateDict``s, which count theirs; a dict you put in stays yours (the same object, as in torch), and
-    the plan of a group holding one is made afresh every step, since its changes are not counted.
-    ``adopt=True`` (loading a checkpoint) makes every plain dict a ``StateDict``."""
-
-    def __init__(self, items: Any = (), *, adopt: bool = False):
-        super().__init__(None)
-        self.version = 0
-        for key, value in dict(items).items():
-            dict.__setitem__(self, key, StateDict(self, value) if adopt and type(value) is dict else value)
-
-    def tracks(self, state: Any) -> bool:
-        """Whether every change to ``state`` counts in this mapping's version."""
-        return type(state) is StateDict and state._owner is self
-
-    def __missing__(self, key):
-        value = StateDict(self)
-        self.version += 1
-        dict.__setitem__(self, key, value)
-        return value
-
-    def __setitem__(self, key, value):
-        self.version += 1
-        dict.__setitem__(self, key, value)
-
-    def __delitem__(self, key):
-        self.version += 1
-        dict.__delitem__(self, key)
-
-    def __ior__(self, other):
-        self.update(other)
-        return self
-
-    def clear(self):
-        self.version += 1
-        dict.clear(self)
-
-    def pop(self, *args):
-        self.version += 1
-        return dict.pop(self, *args)
-
-    def popitem(self):
-        self.version += 1
-        return dict.popitem(self)
-
-    def setdefault(self, key, default=None):
-        if key not in self:
-            self[key] = StateDict(self) if default is None else default
-        return self[key]
-
-    def update(self, *args, **kwargs):
-        for key, value in dict(*args, **kwargs).items():
-            self[key] = value
-
-    def copy(self):
-        """A shallow copy, as torch's mapping gives: a ``defaultdict(dict)`` holding the same dicts."""
-        return defaultdict(dict, self)
-
-    __copy__ = copy
-
-    def __reduce__(self):  # pickles as torch's own defaultdict(dict) of plain dicts
-        return defaultdict, (dict,), None, None, iter((k, dict(v) if isinstance(v, dict) else v)
-                                                      for k, v in self.items())
-
-    def __repr__(self):
-        return f"StateMap({dict.__repr__(self)})"
-
-    def fresh_dict(self, key) -> StateDict:
-        """A new, empty state for ``key``, put in place without counting (the plan's own bookkeeping)."""
-        value = StateDict(self)
-        dict.__setitem__(self, key, value)
-        return value
-
-
-def as_state_map(state: Any, adopt: bool = False) -> StateMap:
-    return state if isinstance(state, StateMap) else StateMap(state, adopt=adopt)
-
-
-def quiet_set(state: dict, key: str, value: Any) -> None:
-    """A write that the plan makes itself and already accounts for: not counted as a change."""
-    dict.__setitem__(state, key, value)
+from .state_map import StateDict, StateMap, as_state_map, quiet_set  # noqa: F401 (optimizer.state, counting)
 
 
 # --- plans ------------------------------------------------------------------------------------------------

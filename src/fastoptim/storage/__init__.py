@@ -4,9 +4,11 @@ A state tensor is kept in a *format*:
   * plain:  the param's dtype and shape (what torch.optim keeps; ``state_bits=32``);
   * 16-bit: bf16, the param's shape;
   * 8 / 4-bit: block-wise quantized codes and one fp32 absmax per block (``quant``), held in a
-    ``QuantizedState``. 8 and 4 bits apply to params with at least 2 dims and ``min_quant_size`` elements;
-    smaller ones keep plain state. The map is chosen per state: unsigned for states that are never
-    negative (the rule's ``unsigned_states``: second moments, Adagrad's sum), signed otherwise.
+    ``QuantizedState`` (``storage.state`` also says how it behaves to code that walks ``optimizer.state``
+    to move tensors: Lightning, accelerate, users' helpers). 8 and 4 bits apply to params with at least
+    2 dims and ``min_quant_size`` elements; smaller ones keep plain state. The map is chosen per state:
+    unsigned for states that are never negative (the rule's ``unsigned_states``: second moments, Adagrad's
+    sum), signed otherwise.
 
 Every level runs on plain tensors. A bucket with state in another format runs *staged* (``run_staged``):
 each state is loaded into a temporary of the param's dtype (upcast, or dequantized), the level steps the
@@ -20,56 +22,16 @@ temporaries for the params it takes.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 from torch import Tensor
 
 from . import quant
+from .state import PLAIN, Format, QuantizedState, is_dtensor as _is_dtensor
 
 STATE_BITS = (32, 16, 8, 4)
 MIN_QUANT_SIZE = 4096
-
-
-@dataclass(frozen=True)
-class Format:
-    """How one state of one param is stored. ``bits`` 32 is plain (the param's dtype)."""
-    bits: int
-    signed: bool = True
-
-    @property
-    def plain(self) -> bool:
-        return self.bits == 32
-
-    @property
-    def quantized(self) -> bool:
-        return self.bits in (8, 4)
-
-    @property
-    def qmap(self) -> quant.QuantMap:
-        return quant.map_for(self.bits, self.signed)
-
-    @property
-    def block(self) -> int:
-        return quant.BLOCK[self.bits]
-
-    @property
-    def tag(self) -> str:
-        """What a checkpoint records: the map and block size (the codes mean nothing without them)."""
-        return f"{self.qmap.name}/{self.block}" if self.quantized else f"bits{self.bits}"
-
-    @staticmethod
-    def from_tag(tag: str) -> "Format":
-        for bits in (8, 4):
-            for signed in (True, False):
-                fmt = Format(bits, signed)
-                if fmt.tag == tag:
-                    return fmt
-        raise ValueError(f"unknown quantized state format {tag!r}")
-
-
-PLAIN = Format(32)
 
 
 def check_state_bits(value: Any, where: str = "state_bits") -> int:
@@ -181,107 +143,6 @@ def format_for(p: Tensor, name: str, bits: int, min_quant_size: int, unsigned_st
     return Format(bits, signed=name not in unsigned_states)
 
 
-# --- quantized state ---------------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class QuantizedState:
-    """One state tensor kept as block-wise codes (``quant``): ``codes`` uint8, ``absmax`` fp32 per block.
-    Frozen: its tensors are written in place, never swapped, so kernel tables that hold their addresses stay
-    right while the state is in use (to replace a state, put a new one into ``optimizer.state``)."""
-    codes: Tensor
-    absmax: Tensor
-    fmt: Format
-    shape: torch.Size
-
-    @staticmethod
-    def of(values: Tensor, fmt: Format) -> "QuantizedState":
-        """``values`` quantized; a sharded ``values`` (a DTensor sharded on dim 0, as FSDP2 shards) gives codes
-        and absmax sharded the same way, each rank quantizing its own rows."""
-        if _is_dtensor(values):
-            return QuantizedState.of(values.to_local(), fmt).sharded_like(values)
-        codes, absmax = quant.quantize(values, fmt.qmap, fmt.block)
-        return QuantizedState(codes, absmax, fmt, values.shape)
-
-    @property
-    def is_sharded(self) -> bool:
-        return _is_dtensor(self.codes)
-
-    def local(self) -> "QuantizedState":
-        """This rank's rows (the state itself when it is not sharded): views of the same memory."""
-        if not self.is_sharded:
-            return self
-        codes = self.codes.to_local()
-        rows = codes.shape[0] if len(self.shape) >= 2 else None
-        shape = torch.Size([rows, *self.shape[1:]]) if rows is not None else self.shape
-        return QuantizedState(codes, self.absmax.to_local(), self.fmt, shape)
-
-    def sharded_like(self, param) -> "QuantizedState":
-        """This rank's local state (of ``param``'s local rows) as one state sharded like the DTensor ``param``:
-        codes and absmax are DTensors with its mesh and placements and their global shapes."""
-        from torch.distributed.tensor import DTensor
-
-        if any(pl.is_shard() and pl.dim != 0 for pl in param.placements):
-            raise ValueError(f"8/4-bit state needs params sharded on dim 0 (FSDP2's Shard(0)); this param has "
-                             f"placements {tuple(param.placements)}: give its group state_bits=16 or 32")
-
-        def wrap(local: Tensor, shape: tuple) -> Tensor:
-            stride = torch.empty(shape, device="meta").stride()
-            return DTensor.from_local(local, param.device_mesh, param.placements, run_check=False,
-                                      shape=torch.Size(shape), stride=stride)
-
-        shape = param.shape
-        return QuantizedState(wrap(self.codes, quant.codes_shape(shape, self.fmt.bits)),
-                              wrap(self.absmax, quant.absmax_shape(shape, self.fmt.block)), self.fmt, shape)
-
-    def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:
-        """The values; a sharded state gives a DTensor sharded like its param."""
-        if self.is_sharded:
-            from torch.distributed.tensor import DTensor
-
-            values = self.local().dequantize(dtype)
-            return DTensor.from_local(values, self.codes.device_mesh, self.codes.placements, run_check=False,
-                                      shape=self.shape, stride=torch.empty(self.shape, device="meta").stride())
-        return quant.dequantize(self.codes, self.absmax, self.fmt.qmap, self.fmt.block, self.shape).to(dtype)
-
-    def store(self, values: Tensor) -> None:
-        if self.is_sharded:
-            return self.local().store(values.to_local() if _is_dtensor(values) else values)
-        codes, absmax = quant.quantize(values, self.fmt.qmap, self.fmt.block)
-        self.codes.copy_(codes)
-        self.absmax.copy_(absmax)
-
-    def copy_(self, src: "QuantizedState") -> None:
-        """``src``'s values into this state's own tensors (byte for byte where the formats match)."""
-        if src.fmt == self.fmt and src.shape == self.shape and not (src.is_sharded or self.is_sharded):
-            self.codes.copy_(src.codes)
-            self.absmax.copy_(src.absmax)
-        else:
-            self.store(src.dequantize())
-
-    def fill_(self, value: float) -> None:
-        """Every element ``value``, as ``make`` starts a state."""
-        self.store(torch.full(self.shape, value, dtype=torch.float32, device=self.device))
-
-    @property
-    def device(self) -> torch.device:
-        return self.codes.device
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes held here (this rank's when sharded)."""
-        local = self.local()
-        return local.codes.nbytes + local.absmax.nbytes
-
-    def __repr__(self) -> str:
-        return f"QuantizedState({self.fmt.tag}, shape={tuple(self.shape)}, device={self.device})"
-
-
-def _is_dtensor(t) -> bool:
-    from ..levels import is_dtensor
-
-    return is_dtensor(t)
-
-
 def make(p: Tensor, fmt: Format, value: float) -> Tensor | QuantizedState:
     """A new state for ``p`` in ``fmt``, every element ``value`` (sharded like ``p`` when it is a DTensor)."""
     if fmt.plain:
@@ -326,10 +187,17 @@ def _aligned(n: int, unit: int) -> int:
 def adopt(value: Any, p: Tensor, fmt: Format) -> Tensor | QuantizedState:
     """``value`` (a state found in ``optimizer.state``) in ``fmt``: itself when it is already, else a plain
     tensor of the param's shape converted (a torch.optim checkpoint loaded, or a tensor the user put in).
-    Raises ValueError naming what does not fit."""
+    A quantized state on another device than the param's (left there by code that moved tensors only) is
+    moved to it byte for byte; a tensor there is refused, as torch.optim's step refuses it. Raises ValueError
+    naming what does not fit."""
     if isinstance(value, QuantizedState):
-        if value.fmt == fmt and value.shape == p.shape and value.device == p.device:
-            return value
+        why = value.layout_error()
+        if why:
+            raise ValueError(why)
+        if value.device != p.device:
+            value = value.to(p.device)
+        if value.fmt == fmt and value.shape == p.shape:
+            return value.seal()  # a step holds its tensors from now on
         if fmt.quantized and value.shape == p.shape:  # another width: through fp32
             return QuantizedState.of(value.dequantize().to(p.device), fmt)
         return adopt(value.dequantize(p.dtype).to(p.device), p, fmt)

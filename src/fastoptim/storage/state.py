@@ -1,0 +1,239 @@
+"""What a state is kept as: its ``Format``, and ``QuantizedState`` (8/4-bit codes and their scales).
+
+Code outside the library walks ``optimizer.state`` to move it between devices, and a quantized state must
+behave like tensors to it:
+  * Lightning's ``apply_to_collection`` (``_optimizer_to_device``, at the end of ``fit()`` and on resume) rebuilds
+    a dataclass field by field: it deep-copies it and sets each field on the copy, and refuses frozen ones;
+    ``move_data_to_device`` calls ``.to(device)`` on anything that has a ``.to``, as accelerate's
+    ``send_to_device`` does. So ``QuantizedState`` is a dataclass that is not frozen, with ``to``/``cpu``/``cuda``,
+    and ``Format`` is no dataclass at all: a leaf, with no tensors to move.
+  * A walk never changes a state in place: it makes a moved copy and puts that into the state dict, which the
+    step plan counts as a change. A state's fields are still never reassigned while a step may hold its
+    tensors (the fused level's table holds their addresses): a state made by its constructor or taken by a
+    step refuses it; copies (``copy.copy``, ``copy.deepcopy``, unpickled) take it until a step takes them.
+  * A state left on another device than its param's (a walk that moves tensors only, such as accelerate's
+    ``recursively_apply``) is moved to the param's at the next step (``storage.adopt``).
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from . import quant
+
+
+class Format:
+    """How one state of one param is stored. ``bits`` 32 is plain (the param's dtype). Immutable."""
+
+    def __init__(self, bits: int, signed: bool = True):
+        object.__setattr__(self, "bits", bits)
+        object.__setattr__(self, "signed", signed)
+
+    def __setattr__(self, name, value):
+        raise AttributeError(f"a Format is immutable (tried to set {name!r})")
+
+    def __eq__(self, other):
+        if not isinstance(other, Format):
+            return NotImplemented
+        return (self.bits, self.signed) == (other.bits, other.signed)
+
+    def __hash__(self) -> int:
+        return hash((self.bits, self.signed))
+
+    def __reduce__(self):
+        return Format, (self.bits, self.signed)
+
+    def __repr__(self) -> str:
+        return f"Format(bits={self.bits}, signed={self.signed})"
+
+    @property
+    def plain(self) -> bool:
+        return self.bits == 32
+
+    @property
+    def quantized(self) -> bool:
+        return self.bits in (8, 4)
+
+    @property
+    def qmap(self) -> quant.QuantMap:
+        return quant.map_for(self.bits, self.signed)
+
+    @property
+    def block(self) -> int:
+        return quant.BLOCK[self.bits]
+
+    @property
+    def tag(self) -> str:
+        """What a checkpoint records: the map and block size (the codes mean nothing without them)."""
+        return f"{self.qmap.name}/{self.block}" if self.quantized else f"bits{self.bits}"
+
+    @staticmethod
+    def from_tag(tag: str) -> "Format":
+        for bits in (8, 4):
+            for signed in (True, False):
+                fmt = Format(bits, signed)
+                if fmt.tag == tag:
+                    return fmt
+        raise ValueError(f"unknown quantized state format {tag!r}")
+
+
+PLAIN = Format(32)
+
+_SEALED: weakref.WeakSet = weakref.WeakSet()  # states whose fields are not reassigned any more
+
+
+@dataclass(eq=False)
+class QuantizedState:
+    """One state tensor kept as block-wise codes (``quant``): ``codes`` uint8, ``absmax`` fp32 per block.
+    Its tensors are written in place, never swapped while a step may hold them: to replace a state, put a new
+    one into ``optimizer.state`` (the module docstring says which states take a field set)."""
+    codes: Tensor
+    absmax: Tensor
+    fmt: Format
+    shape: torch.Size
+
+    def __post_init__(self):
+        _SEALED.add(self)
+
+    def __setattr__(self, name, value):
+        if self in _SEALED:
+            raise AttributeError(f"a QuantizedState's {name!r} is not reassigned: a step may hold its tensors; "
+                                 f"put a new state into optimizer.state instead (copy.copy(state) gives one to edit)")
+        object.__setattr__(self, name, value)
+
+    def seal(self) -> "QuantizedState":
+        """Refuse field assignments from now on (a step is about to hold its tensors)."""
+        _SEALED.add(self)
+        return self
+
+    @staticmethod
+    def of(values: Tensor, fmt: Format) -> "QuantizedState":
+        """``values`` quantized; a sharded ``values`` (a DTensor sharded on dim 0, as FSDP2 shards) gives codes
+        and absmax sharded the same way, each rank quantizing its own rows."""
+        if is_dtensor(values):
+            return QuantizedState.of(values.to_local(), fmt).sharded_like(values)
+        codes, absmax = quant.quantize(values, fmt.qmap, fmt.block)
+        return QuantizedState(codes, absmax, fmt, values.shape)
+
+    @property
+    def is_sharded(self) -> bool:
+        return is_dtensor(self.codes)
+
+    def local(self) -> "QuantizedState":
+        """This rank's rows (the state itself when it is not sharded): views of the same memory."""
+        if not self.is_sharded:
+            return self
+        codes = self.codes.to_local()
+        rows = codes.shape[0] if len(self.shape) >= 2 else None
+        shape = torch.Size([rows, *self.shape[1:]]) if rows is not None else self.shape
+        return QuantizedState(codes, self.absmax.to_local(), self.fmt, shape)
+
+    def sharded_like(self, param) -> "QuantizedState":
+        """This rank's local state (of ``param``'s local rows) as one state sharded like the DTensor ``param``:
+        codes and absmax are DTensors with its mesh and placements and their global shapes."""
+        from torch.distributed.tensor import DTensor
+
+        if any(pl.is_shard() and pl.dim != 0 for pl in param.placements):
+            raise ValueError(f"8/4-bit state needs params sharded on dim 0 (FSDP2's Shard(0)); this param has "
+                             f"placements {tuple(param.placements)}: give its group state_bits=16 or 32")
+
+        def wrap(local: Tensor, shape: tuple) -> Tensor:
+            stride = torch.empty(shape, device="meta").stride()
+            return DTensor.from_local(local, param.device_mesh, param.placements, run_check=False,
+                                      shape=torch.Size(shape), stride=stride)
+
+        shape = param.shape
+        return QuantizedState(wrap(self.codes, quant.codes_shape(shape, self.fmt.bits)),
+                              wrap(self.absmax, quant.absmax_shape(shape, self.fmt.block)), self.fmt, shape)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:
+        """The values; a sharded state gives a DTensor sharded like its param."""
+        if self.is_sharded:
+            from torch.distributed.tensor import DTensor
+
+            values = self.local().dequantize(dtype)
+            return DTensor.from_local(values, self.codes.device_mesh, self.codes.placements, run_check=False,
+                                      shape=self.shape, stride=torch.empty(self.shape, device="meta").stride())
+        return quant.dequantize(self.codes, self.absmax, self.fmt.qmap, self.fmt.block, self.shape).to(dtype)
+
+    def store(self, values: Tensor) -> None:
+        if self.is_sharded:
+            return self.local().store(values.to_local() if is_dtensor(values) else values)
+        codes, absmax = quant.quantize(values, self.fmt.qmap, self.fmt.block)
+        self.codes.copy_(codes)
+        self.absmax.copy_(absmax)
+
+    def copy_(self, src: "QuantizedState") -> None:
+        """``src``'s values into this state's own tensors (byte for byte where the formats match)."""
+        if src.fmt == self.fmt and src.shape == self.shape and not (src.is_sharded or self.is_sharded):
+            self.codes.copy_(src.codes)
+            self.absmax.copy_(src.absmax)
+        else:
+            self.store(src.dequantize())
+
+    def fill_(self, value: float) -> None:
+        """Every element ``value``, as ``make`` starts a state."""
+        self.store(torch.full(self.shape, value, dtype=torch.float32, device=self.device))
+
+    # --- moving between devices, as code that walks optimizer.state moves tensors ---------------------
+
+    def to(self, *args, **kwargs) -> "QuantizedState":
+        """The state on another device, byte for byte, as ``Tensor.to`` moves a tensor: itself where it is
+        there already (unless ``copy=True``). Devices only: the codes and absmax keep their dtypes
+        (``dequantize(dtype)`` gives the values in another)."""
+        copy = kwargs.pop("copy", False)
+        device, dtype, non_blocking, memory_format = torch._C._nn._parse_to(*args, **kwargs)
+        if dtype is not None or memory_format not in (None, torch.preserve_format):
+            raise TypeError(f"QuantizedState.to moves a quantized state between devices; its codes (uint8) and "
+                            f"absmax (float32) keep their dtypes and layouts (got dtype={dtype}, "
+                            f"memory_format={memory_format}): use dequantize(dtype) for its values")
+        return self._moved(lambda t: t.to(device, non_blocking=non_blocking, copy=copy))
+
+    def cpu(self) -> "QuantizedState":
+        return self._moved(Tensor.cpu)
+
+    def cuda(self, device=None, non_blocking: bool = False) -> "QuantizedState":
+        return self._moved(lambda t: t.cuda(device, non_blocking=non_blocking))
+
+    def _moved(self, move) -> "QuantizedState":
+        codes, absmax = move(self.codes), move(self.absmax)
+        if codes is self.codes and absmax is self.absmax:
+            return self
+        return QuantizedState(codes, absmax, self.fmt, self.shape)
+
+    def layout_error(self) -> str | None:
+        """What is wrong with the codes and absmax for this state's format and shape (None: nothing), such as
+        a walk that cast every tensor it found."""
+        codes_shape = quant.codes_shape(self.shape, self.fmt.bits)
+        absmax_shape = quant.absmax_shape(self.shape, self.fmt.block)
+        if self.codes.dtype != torch.uint8 or tuple(self.codes.shape) != codes_shape \
+                or self.absmax.dtype != torch.float32 or tuple(self.absmax.shape) != absmax_shape \
+                or self.absmax.device != self.codes.device:
+            return (f"is a {self.fmt.tag} state of shape {tuple(self.shape)} with codes {self.codes.dtype} "
+                    f"{tuple(self.codes.shape)} on {self.codes.device} and absmax {self.absmax.dtype} "
+                    f"{tuple(self.absmax.shape)} on {self.absmax.device}; it needs uint8 codes {codes_shape} and "
+                    f"float32 absmax {absmax_shape} on one device")
+        return None
+
+    @property
+    def device(self) -> torch.device:
+        return self.codes.device
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held here (this rank's when sharded)."""
+        local = self.local()
+        return local.codes.nbytes + local.absmax.nbytes
+
+    def __repr__(self) -> str:
+        return f"QuantizedState({self.fmt.tag}, shape={tuple(self.shape)}, device={self.device})"
+
+
+def is_dtensor(t) -> bool:
+    from ..levels import is_dtensor as check
+
+    return check(t)
