@@ -66,6 +66,7 @@ class FlatBucket:
                 gv.copy_(p.grad)
                 p.grad = gv
             p.data = pv
+        self._zeroed = [p.grad is None for p in params]
         self._hook_params()
 
     def _make_buffers(self) -> None:
@@ -88,6 +89,10 @@ class FlatBucket:
         self._state_layouts: dict[str, tuple[int, torch.dtype]] = {}  # name -> (first param, dtype)
         self._pools: dict[str, tuple[tuple, list, tuple[Tensor, Tensor]]] = {}  # name -> (formats, states, buffers)
         self._hooks: list = []
+        # per param, whether its part of the grad buffer is known to hold zeros while its grad is None (then a hook
+        # points the grad there without a memset of its own); one memset of the whole buffer makes them all so
+        self._zeroed = [True] * len(self.params)
+        self._memset_tried = False  # since the last step: whether a hook looked for every grad None
         self._watch()
         self.settle()
 
@@ -141,6 +146,7 @@ class FlatBucket:
             if id(self.param_views[i]) in moved:
                 self.param_views[i] = alias(self.param_buffer, begin, p.shape)
             if id(self._grad_layouts[i]) in moved:
+                self._zeroed[i] = False
                 self.grad_views[i] = alias(self.grad_buffer, begin, p.shape)
                 self._grad_layouts[i] = self.grad_views[i].view(p.shape)
                 self._head_grads = None
@@ -231,6 +237,7 @@ class FlatBucket:
         ``.grad`` replaced, re-laid or re-pointed in place: ``p.grad.t_()``, ``p.grad.data = x``, or its memory
         moved), its values go into the buffer and the param gets a new alias. A None grad stays None. Returns
         whether every param has a grad (then the whole grad buffer is this step's grads)."""
+        self._memset_tried = False
         if all_set_to(self.params, self._grad_layouts, grads=True) and not self.moved():
             return True  # the common case, in two C++ passes
         self.realias()
@@ -246,6 +253,7 @@ class FlatBucket:
             view = self.grad_views[i] = layout.view(layout.shape)  # a new one: the old one may be re-laid
             view.copy_(g.detach().clone())  # cloned: g may lie on the view's own memory (p.grad.t_())
             p.grad = view
+            self._zeroed[i] = False
             self._head_grads = None
         return len(present) == len(self.params)
 
@@ -261,6 +269,7 @@ class FlatBucket:
         if set_to_none:
             for p in self.params:
                 p.grad = None
+            self._memset_tried = False
             return
         self.repair_grads()
         self.grad_buffer.zero_()
@@ -268,7 +277,8 @@ class FlatBucket:
     def point_grad(self, i: int) -> None:
         """Param ``i``'s grad is about to be accumulated: where it is None and the param still is this buffer's,
         its grad becomes its zeroed alias, so autograd accumulates into the buffer in place (not into a new
-        tensor that the step would have to copy in)."""
+        tensor that the step would have to copy in). After ``model.zero_grad()`` the first such hook finds every
+        grad None and zeroes the whole buffer with one memset instead of one per param."""
         p = self.params[i]
         if p.grad is not None or p.dtype != self.dtype or not p.is_set_to(self.param_views[i]):
             return
@@ -276,7 +286,15 @@ class FlatBucket:
         if not view.is_set_to(layout):  # the alias handed out was re-laid (p.grad.t_()) before it was set to None
             view = self.grad_views[i] = layout.view(layout.shape)
             self._head_grads = None
-        view.zero_()
+        if not self._zeroed[i] and not self._memset_tried:
+            self._memset_tried = True  # (once between steps: a backward with some grads there zeroes each)
+            if not with_grads(self.params)[0]:
+                self.grad_buffer.zero_()
+                self._zeroed = [True] * len(self.params)
+        if self._zeroed[i]:
+            self._zeroed[i] = False  # autograd writes it now
+        else:
+            view.zero_()
         p.grad = view
 
     def _hook_params(self) -> None:
