@@ -129,6 +129,14 @@ class FlatBucket:
         self._watched = [*self.param_views, *self._grad_layouts,
                          *(v for views in self._state_views.values() for v in views if v is not None)]
         self._watched_at = layouts(self._watched, shapes=False)
+        self._counted = self._holders()
+
+    def _holders(self) -> tuple[int, ...]:
+        """How many tensors hold each buffer's memory. Each alias holds a view of its buffer until its storage lets
+        go of that memory (``share_memory_()`` moves it): so the counts stay while no alias moved, and one look
+        at them each step stands for a look at thousands of aliases (``moved``)."""
+        return tuple(_use_count(b.untyped_storage()._cdata)
+                     for b in (self.param_buffer, self.grad_buffer, *self.state_buffers.values()))
 
     def moved(self) -> bool:
         """Whether some alias's memory moved off the buffer (``share_memory_()`` on a param, grad or state)."""
@@ -137,7 +145,10 @@ class FlatBucket:
     def realias(self) -> None:
         """New aliases for those whose memory moved: the param, grad or state still on the moved memory is then
         no longer its alias, and is copied back in as a replaced one is (``rehome``, ``repair_grads``, the plan)."""
-        if not self.moved():
+        if self._holders() == self._counted:
+            return
+        if not self.moved():  # other views of a buffer came or went (a level's cache): none moved
+            self._counted = self._holders()
             return
         now, then = _addresses(layouts(self._watched, shapes=False)), _addresses(self._watched_at)
         moved = {id(t) for t, a, b in zip(self._watched, now, then) if a != b}
@@ -238,8 +249,8 @@ class FlatBucket:
         moved), its values go into the buffer and the param gets a new alias. A None grad stays None. Returns
         whether every param has a grad (then the whole grad buffer is this step's grads)."""
         self._memset_tried = False
-        if all_set_to(self.params, self._grad_layouts, grads=True) and not self.moved():
-            return True  # the common case, in two C++ passes
+        if all_set_to(self.params, self._grad_layouts, grads=True) and self._holders() == self._counted:
+            return True  # the common case, in one C++ pass
         self.realias()
         index = self._index()
         present, grads, _ = with_grads(self.params)
@@ -315,6 +326,9 @@ class FlatBucket:
         self.params = state["params"]
         self._make_buffers()
         self._settled_at = None  # no plan holds: the first step makes one
+
+
+_use_count = torch._C._storage_Use_Count
 
 
 def _addresses(found) -> list[int]:
