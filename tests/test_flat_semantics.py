@@ -262,3 +262,20 @@ def _train_seq(model, opt, steps, seed):
         model.zero_grad()
         model(torch.randn(4, 16, generator=g)).square().mean().backward()
         opt.step()
+
+
+def test_accelerate_save_state_writes_every_param(tmp_path):
+    """accelerate's ``save_state`` writes the model with safetensors; with flat views of one storage it kept one
+    tensor of eight and said nothing."""
+    accelerate = pytest.importorskip("accelerate")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(4)])
+    opt = fastoptim.AdamW(model.parameters(), lr=1e-2, flat=True)
+    acc = accelerate.Accelerator(cpu=True)
+    model, opt = acc.prepare(model, opt)
+    model(torch.randn(4, 8)).sum().backward()
+    opt.step()
+    acc.save_state(str(tmp_path))
+    saved = safetensors_torch.load_file(str(tmp_path / "model.safetensors"))
+    assert set(saved) == set(model.state_dict())
+    assert all(torch.equal(saved[k], v) for k, v in model.state_dict().items())
