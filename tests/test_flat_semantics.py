@@ -279,3 +279,25 @@ def test_accelerate_save_state_writes_every_param(tmp_path):
     saved = safetensors_torch.load_file(str(tmp_path / "model.safetensors"))
     assert set(saved) == set(model.state_dict())
     assert all(torch.equal(saved[k], v) for k, v in model.state_dict().items())
+
+
+def test_the_clip_norm_counts_only_the_grads_there_are():
+    """``max_grad_norm`` with some grads None: the part of the grad buffer of a param whose grad was set to None
+    still holds its old values, and must not count (it did when the norm was taken over the whole buffer)."""
+    torch.manual_seed(0)
+    ours_p = [torch.nn.Parameter(torch.randn(5, 3)) for _ in range(4)]
+    ref_p = [torch.nn.Parameter(p.detach().clone()) for p in ours_p]
+    ours = fastoptim.AdamW(ours_p, lr=0.1, flat=True, max_grad_norm=0.5)
+    ref = fastoptim.AdamW(ref_p, lr=0.1, max_grad_norm=0.5)
+    for step in range(5):
+        for i, (a, b) in enumerate(zip(ours_p, ref_p)):
+            if (i + step) % 3 == 0:
+                a.grad = b.grad = None
+            else:
+                g = torch.randn(5, 3) * 3
+                a.grad, b.grad = g.clone(), g.clone()
+        ours.step()
+        ref.step()
+        assert torch.equal(ours.last_grad_norm, ref.last_grad_norm)
+        for a, b in zip(ours_p, ref_p):
+            torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
