@@ -450,8 +450,7 @@ def build(rule, group: dict, params: list[Tensor], state_map: StateMap, state_fo
     nothing: new states and copies into flat buffers wait in ``plan.pending`` until ``commit``.
 
     ``state_format(p, name, group)`` says how a state is kept (``storage``); ``param_index(p)`` numbers
-    params in error messages. In flat mode too ``params`` are the group's params that step (their grad is not
-    None), in order.
+    params in error messages. In flat mode too ``params`` are the group's params whose grad is not None.
     """
     active = rule.active(group)
     names = [n for n, on in zip(rule.state_names, active) if on]
@@ -502,8 +501,7 @@ def _build_flat(plan: Plan, rule, group: dict, fb: FlatBucket, names: list[str],
     first one whose states are plain or 16-bit on (``FlatBucket`` puts the params with quantized states
     first); the params before it keep states of their own, as without flat mode. A missing state starts at
     its initial value; one the user replaced (or a checkpoint loaded) is copied into its view, or converted.
-    Only the params in ``positions`` step (their grad is not None); where some of the bucket's do not, the
-    others step on their aliases, as without flat mode, and the rest keep their state as it is."""
+    Only the params in ``positions`` (grad not None) step: where some do not, the others step on their aliases."""
     fb.realias()  # (new alias objects for any whose memory moved: a state on moved memory is then copied back)
     replaced = [i for i, (p, view) in enumerate(zip(fb.params, fb.param_views))
                 if not same_layout(p, view)]
@@ -525,9 +523,7 @@ def _build_flat(plan: Plan, rule, group: dict, fb: FlatBucket, names: list[str],
     fills = {name: rule.initial_value(name, group) for name in names}
     members = [i for i, p in enumerate(fb.params) if id(p) in positions]
     counts, tensors = {}, {}
-    for i in members:
-        p = fb.params[i]
-
+    for i, p in ((i, fb.params[i]) for i in members):
         def make(name, value, i=i, p=p):
             adopted = None if value is None else _adopt(value, p, formats[name][i], name, param_index(p))
             if i < start and pools[name][i] is None:  # kept apart, as without flat mode
@@ -543,8 +539,7 @@ def _build_flat(plan: Plan, rule, group: dict, fb: FlatBucket, names: list[str],
     def states(members: list[int]) -> list[list | None]:
         return [[tensors[i][column[n]] for i in members] if n in column else None for n in rule.state_names]
 
-    whole = len(members) == len(fb.params)
-    if whole and len(set(counts.values())) == 1 and not rule.stages:  # the usual case: one pass over each flat buffer (and one kernel call for the rest)
+    if len(members) == len(fb.params) and len(set(counts.values())) == 1 and not rule.stages:  # the usual case: one pass over each flat buffer (and one kernel call for the rest)
         count, host = counts[0]
         if start:
             plan.buckets.append(PlanBucket((fb.device, fb.dtype), count, list(fb.params[:start]),
