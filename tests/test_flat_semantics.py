@@ -134,17 +134,34 @@ def test_a_step_with_every_grad_is_one_pass_and_a_backward_after_model_zero_grad
     assert not repairs  # no grad was ever copied into the buffer: autograd wrote there
 
 
-def test_the_hooks_keep_no_optimizer_alive_and_do_nothing_once_it_is_gone():
+def test_the_hooks_keep_no_optimizer_alive_and_do_nothing_once_it_is_gone(monkeypatch):
+    calls = []
+    real = flat.FlatBucket.point_grad
+    monkeypatch.setattr(flat.FlatBucket, "point_grad", lambda self, i: calls.append(i) or real(self, i))
     model = Branchy()
     opt = fastoptim.SGD(model.parameters(), lr=0.1, flat=True)
+    model(torch.randn(2, 6)).sum().backward()
+    assert len(calls) == 6
     gone = weakref.ref(opt)
     del opt
     gc.collect()
     assert gone() is None
     model.zero_grad()
     model(torch.randn(2, 6)).sum().backward()
-    assert all(p.grad is not None and p.grad.untyped_storage().nbytes() == p.nbytes for p in model.parameters())
-    assert all(not p._backward_hooks for p in model.parameters())  # removed with the buffers
+    assert len(calls) == 6 and all(p.grad is not None for p in model.parameters())
+
+
+def test_torch_autograd_grad_leaves_grads_as_they_are():
+    """``torch.autograd.grad`` does not accumulate into ``.grad``: the grads stay None (a tensor hook would run
+    there and point them at the buffer, and the next step would step zeros)."""
+    ours_model, ours, ref_model, ref = _pair(*OPTIMIZERS["sgd_momentum"])
+    x = torch.randn(5, 6)
+    for model, opt in ((ours_model, ours), (ref_model, ref)):
+        torch.autograd.grad(model(x).sum(), list(model.parameters()))
+        assert all(p.grad is None for p in model.parameters())
+        model.head.weight.grad = torch.ones_like(model.head.weight)
+        opt.step()
+    _assert_same(ours_model, ours, ref_model, ref)
 
 
 def test_a_hook_never_points_a_grad_at_a_buffer_the_param_left():

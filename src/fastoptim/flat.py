@@ -21,6 +21,7 @@ states are one bf16 buffer.
 from __future__ import annotations
 
 import math
+import operator
 import weakref
 from functools import partial
 from typing import Callable
@@ -44,9 +45,10 @@ class GradViews(list):
     what it worked out from them while it gets this very object; holding it keeps nothing else alive)."""
 
 
-def _point_grad(bucket_ref: weakref.ref, index: int, grad: Tensor) -> None:
-    """Runs before autograd accumulates a param's grad (``Tensor.register_hook``): see ``FlatBucket.point_grad``.
-    Holds its bucket weakly: the hook keeps no optimizer alive, and does nothing once it is gone."""
+def _point_grad(bucket_ref: weakref.ref, index: int, grad_outputs: tuple) -> None:
+    """Runs before autograd accumulates a param's grad (a pre-hook of its AccumulateGrad node, which runs in a
+    backward and not in ``torch.autograd.grad``): see ``FlatBucket.point_grad``. Holds its bucket weakly: the
+    hook keeps no optimizer alive, and does nothing once it is gone."""
     bucket = bucket_ref()
     if bucket is not None:
         bucket.point_grad(index)
@@ -240,8 +242,7 @@ class FlatBucket:
                 view.copy_(p.detach().clone())  # cloned: p may lie on the view's own memory (p.t_())
                 p.data = view
         self.repair_grads()
-        if not self._hooks:
-            self._hook_params()
+        self._hook_params()
 
     def repair_grads(self) -> bool:
         """Each ``.grad`` that is not None lies on its part of the grad buffer as its alias does; where not (a
@@ -309,11 +310,21 @@ class FlatBucket:
         p.grad = view
 
     def _hook_params(self) -> None:
-        """A hook on each param that takes grads (``point_grad``); removed when the bucket goes."""
+        """A pre-hook (``point_grad``) on the AccumulateGrad node of each param that takes grads. The bucket holds
+        the nodes, so every graph uses these very nodes (a param holds its node weakly); the hooks go with the
+        bucket. Made anew where a param's node changed (``p.data`` of another layout resets it)."""
+        with torch.enable_grad():
+            nodes = [p.view_as(p).grad_fn.next_functions[0][0] if p.requires_grad else None for p in self.params]
+        held = self.__dict__.get("_nodes")
+        if held is not None and len(held) == len(nodes) and all(map(operator.is_, held, nodes)):
+            return
+        _remove_hooks(self._hooks)
         me = weakref.ref(self)
-        self._hooks = [p.register_hook(partial(_point_grad, me, i)) for i, p in enumerate(self.params)
-                       if p.requires_grad]
-        weakref.finalize(self, _remove_hooks, self._hooks)
+        self._hooks += [node.register_prehook(partial(_point_grad, me, i)) for i, node in enumerate(nodes)
+                        if node is not None]
+        if "_nodes" not in self.__dict__:
+            weakref.finalize(self, _remove_hooks, self._hooks)  # (the list is kept, its handles change)
+        self._nodes = nodes
 
     # --- pickling: each alias pickles its own bytes; the buffers are made anew and the values copied in ---------
 
@@ -339,3 +350,4 @@ def _addresses(found) -> list[int]:
 def _remove_hooks(handles: list) -> None:
     for handle in handles:
         handle.remove()
+    handles.clear()
