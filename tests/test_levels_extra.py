@@ -99,9 +99,10 @@ def test_flat_mode_grads_are_views_and_backward_accumulates_in_place():
     model = _model()
     opt = fastoptim.create(model, "adamw", flat=True, lr=1e-2)
     buckets = [b for bs in opt._flat_buckets for b in bs]
-    views = {id(p): p.grad for b in buckets for p in b.params}
+    assert all(p.grad is None for p in model.parameters())  # (as torch leaves them: no grad yet)
     x = torch.randn(5, 8)
-    model(x).sum().backward()
+    model(x).sum().backward()  # each grad is its view of the buffer (a hook points it there)
+    views = {id(p): p.grad for b in buckets for p in b.params}
     model(x).sum().backward()  # accumulation lands in the same views
     for b in buckets:
         for p in b.params:
@@ -110,8 +111,10 @@ def test_flat_mode_grads_are_views_and_backward_accumulates_in_place():
                 base = buffer.data_ptr()
                 assert base <= t.data_ptr() < base + buffer.numel() * buffer.element_size()
     assert all(b.grad_buffer.abs().sum() > 0 for b in buckets)
+    opt.zero_grad(set_to_none=False)
+    assert all(p.grad is views[id(p)] and not p.grad.any() for p in model.parameters())
     opt.zero_grad()
-    assert all(p.grad is not None and not p.grad.any() for p in model.parameters())
+    assert all(p.grad is None for p in model.parameters())
 
 
 def test_flat_mode_trains_like_torch():

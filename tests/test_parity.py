@@ -440,7 +440,7 @@ def test_cache_blocked_large_tensors_match_torch(name, level):
 @pytest.mark.parametrize("name,index,level", [(n, i, lv) for n, i, lv in MATRIX if n in FLAT])
 def test_flat_mode_matches_reference_every_step(name, index, level):
     """flat=True: params, grads and states as views of one buffer per bucket; same numbers as torch.
-    (Every param has a grad here: in flat mode a missing grad counts as zeros.) Adafactor refuses flat=True
+    (Every param has a grad here; None grads: tests/test_flat_semantics.py.) Adafactor refuses flat=True
     (test_adafactor_refuses_flat_mode)."""
     ours, ours_p, ref, ref_p = _pair(name, index, level, flat=True)
     for step in range(1, 11):

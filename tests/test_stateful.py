@@ -7,8 +7,7 @@ or step count, a state_dict saved and loaded into a NEW optimizer, add_param_gro
 GradScaler steps with inf grads, the first step included. After every action the params, the per-param
 state read through ``optimizer.state`` and the whole ``state_dict()`` must agree with torch's.
 
-Flat mode runs where its semantics agree with torch's: every param has a grad at every step (flat
-mode steps a missing grad as zeros, torch skips the param).
+Flat mode runs the same programs, None grads included: as in torch, a param whose grad is None is not stepped.
 
 With ``state_bits`` 16, 8 or 4 the same programs run with low-bit state (every matrix quantized), and
 torch's twin keeps each of its states rounded as fastoptim's storage keeps it (``_as_stored``): quantizing
@@ -96,12 +95,9 @@ class UserProgram(RuleBasedStateMachine):
 
     def _set_grads(self, data, scale=1.0, inf=False, at_least_one=False):
         n = len(self.ours_p)
-        if self.flat:
-            present = [True] * n
-        else:
-            present = data.draw(st.lists(st.booleans(), min_size=n, max_size=n), label="has grad")
-            if at_least_one and not any(present):  # torch's GradScaler refuses a step with no grads at all
-                present[0] = True
+        present = data.draw(st.lists(st.booleans(), min_size=n, max_size=n), label="has grad")
+        if at_least_one and not any(present):  # torch's GradScaler refuses a step with no grads at all
+            present[0] = True
         in_place = self.flat and data.draw(st.booleans(), label="write into the flat grad views")
         for i, (a, b) in enumerate(zip(self.ours_p, self.ref_p)):
             if not present[i]:
@@ -110,7 +106,7 @@ class UserProgram(RuleBasedStateMachine):
             g = torch.randn(a.shape, generator=self.gen) * scale
             if inf and i == data.draw(st.integers(0, n - 1), label="inf param"):
                 g.view(-1)[0] = float("inf")
-            if in_place:
+            if in_place and a.grad is not None:
                 a.grad.copy_(g)
             else:
                 a.grad = g.clone()
@@ -118,7 +114,7 @@ class UserProgram(RuleBasedStateMachine):
         return present
 
     def _step(self, step_ours, step_ref, skipped=False):
-        stepping = [b for b in self.ref_p if b.grad is not None]  # (flat mode: every param has a grad)
+        stepping = [b for b in self.ref_p if b.grad is not None]
         with record_paths() as paths:
             step_ours()
         if not skipped:  # (torch's GradScaler does not call a step it skips)
@@ -222,10 +218,25 @@ class UserProgram(RuleBasedStateMachine):
         self.added += 1
         self._as_stored([q])
 
-    @rule()
-    def zero_grad(self):
-        self.ours.zero_grad(set_to_none=True)
-        self.ref.zero_grad(set_to_none=True)
+    @rule(set_to_none=st.booleans())
+    def zero_grad(self, set_to_none):
+        self.ours.zero_grad(set_to_none=set_to_none)
+        self.ref.zero_grad(set_to_none=set_to_none)
+        for a, b in zip(self.ours_p, self.ref_p):
+            assert (a.grad is None) == (b.grad is None)
+            if b.grad is not None:
+                assert torch.equal(a.grad, b.grad)
+
+    @rule(data=st.data())
+    def accumulate_a_backward(self, data):
+        """A backward adds into the grads there are and makes the missing ones (flat mode: on its buffer)."""
+        n = len(self.ours_p)
+        reached = data.draw(st.lists(st.booleans(), min_size=n, max_size=n), label="reached by the backward")
+        weights = [torch.randn(p.shape, generator=self.gen) for p in self.ref_p]
+        for params in (self.ours_p, self.ref_p):
+            terms = [(p * w).sum() for p, w, r in zip(params, weights, reached) if r]
+            if terms:
+                sum(terms).backward()
 
     def _check_stored_at_its_width(self, stepped):
         """The storage is really in use: every state of a param that stepped is kept as its format says."""

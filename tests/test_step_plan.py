@@ -509,9 +509,11 @@ def test_flat_groups_edited_by_hand_are_refused_before_anything_changes():
     assert all(torch.equal(a, b) for a, b in zip(ps, before))
 
 
-def _moved_in_place(model, what):
+def _moved_in_place(model, what, flat=False):
     """Moves memory without a new storage object: ``share_memory()`` (a Hogwild setup) moves each storage into
-    shared memory; an offloading hook frees a storage and gives it back at a new address."""
+    shared memory; an offloading hook frees a storage and gives it back at a new address. (In flat mode each
+    param's storage aliases the buffer's memory, and such a storage cannot be resized: the hook gets torch's
+    error and nothing moves.)"""
     if what == "share_memory":
         model.share_memory()
     elif what == "grads_shared":
@@ -520,9 +522,13 @@ def _moved_in_place(model, what):
     else:
         params = list(model.parameters())
         keep = [p.detach().clone() for p in params]
-        storages = {p.untyped_storage().data_ptr(): p.untyped_storage() for p in params}  # (flat: one for all)
+        storages = {p.untyped_storage().data_ptr(): p.untyped_storage() for p in params}
         for storage in storages.values():
             size = storage.nbytes()
+            if flat:
+                with pytest.raises(RuntimeError, match="not resizable"):
+                    storage.resize_(0)
+                continue
             storage.resize_(0)
             hold = torch.empty(size, dtype=torch.uint8)  # (the old address goes to someone else)
             storage.resize_(size)
@@ -568,7 +574,7 @@ def test_flat_mode_follows_memory_moved_and_grads_changed_in_place(action, bits)
                 if action.startswith("grad_"):
                     _grad_changed_in_place(model, action)
                 else:
-                    _moved_in_place(model, action)
+                    _moved_in_place(model, action, flat)
             with record_paths() as paths:
                 opt.step()
             if bits == 8 and flat:
@@ -683,13 +689,17 @@ def test_flat_states_moved_between_params_are_copied_before_anything_overwrites_
 
 
 def test_flat_zero_grad_zeroes_a_replaced_grad():
+    """``zero_grad(set_to_none=False)`` zeroes a grad the user assigned (as torch's does); the default sets it
+    to None, as torch's does."""
     p = torch.nn.Parameter(torch.randn(4, 4))
     opt = fastoptim.AdamW([p], flat=True)
     p.grad = torch.ones(4, 4)  # e.g. from torch.autograd.grad, assigned
-    opt.zero_grad()
+    opt.zero_grad(set_to_none=False)
     assert torch.count_nonzero(p.grad) == 0
     (p * 0).sum().backward()
     assert torch.count_nonzero(p.grad) == 0  # accumulated into zeros, as torch.optim's zero_grad leaves it
+    opt.zero_grad()
+    assert p.grad is None
 
 
 def test_the_cpu_kernel_keeps_no_grad_alive_after_zero_grad():

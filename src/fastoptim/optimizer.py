@@ -224,10 +224,7 @@ class FastOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._resolve_skips()
-        work = [self._collect(group) for group in self.param_groups]  # validates; mutates nothing
-        for buckets in self._flat_buckets:  # grads a user replaced go back into the flat buffers first
-            for bucket in buckets:
-                bucket.repair_grads()
+        work = [self._collect(index, group) for index, group in enumerate(self.param_groups)]  # validates
         plans = [self._plan(index, group, params) for index, (group, params, _) in enumerate(work)]
         found_inf = getattr(self, "found_inf", None)
         if found_inf is not None and not isinstance(found_inf, Tensor):  # GradScaler's sum over no grads: 0
@@ -328,10 +325,9 @@ class FastOptimizer(torch.optim.Optimizer):
         grad_mul = None if grad_scale is None else grad_scale.double().reciprocal().float()
         if self.max_grad_norm is None:
             return grad_mul
-        if self.flat:
-            grads = [bucket.grad_buffer for buckets in self._flat_buckets for bucket in buckets]
-        else:
-            grads = [g for _, _, gs in work for g in gs]
+        grads = []
+        for index, (_, _, gs) in enumerate(work):  # flat mode with every grad there: the whole grad buffers
+            grads += [b.grad_buffer for b in self._flat_buckets[index]] if self.flat and gs is None else gs
         total = clip.grad_norm(grads)
         if is_dtensor(total):  # sharded grads: the norm is a partial sum until reduced across ranks
             total = total.full_tensor()
@@ -351,12 +347,15 @@ class FastOptimizer(torch.optim.Optimizer):
             if flag.item() != 0:
                 plan.take_back(self._state, taken)
 
-    def _collect(self, group: dict) -> tuple[dict, list[Tensor], list[Tensor] | None]:
-        """The params that step and their grads (in the param's dtype); flat mode: every param (grads are views,
-        never None)."""
+    def _collect(self, index: int, group: dict) -> tuple[dict, list[Tensor], list[Tensor] | None]:
+        """The params that step (those whose grad is not None, as in torch.optim) and their grads (in the param's
+        dtype). Flat mode puts grads a user replaced back into the buffers first; where every param has its grad
+        there, the grads are None: the step reads the buffers."""
         self.rule.validate(group)
         if self.flat:
-            return group, group["params"], None
+            buckets = self._flat_buckets[index] if index < len(self._flat_buckets) else []
+            if all([bucket.repair_grads() for bucket in buckets]):  # (a list: every bucket is repaired)
+                return group, group["params"], None
         params, grads, plain = bulk.with_grads(group["params"])
         if plain:
             return group, params, grads
@@ -387,13 +386,12 @@ class FastOptimizer(torch.optim.Optimizer):
 
     @torch.compiler.disable(reason=STEP_NOT_TRACEABLE)  # (as torch.optim's own zero_grad is)
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """In flat mode grads are views of one buffer per bucket: zeroed with one memset, never set to None."""
+        """As torch.optim's. In flat mode ``set_to_none=False`` zeroes each bucket's grad buffer with one memset."""
         if not self.flat:
             return super().zero_grad(set_to_none)
         for buckets in self._flat_buckets:
             for bucket in buckets:
-                bucket.repair_grads()  # first: it copies a replaced grad into the buffer, which is then zeroed
-                bucket.grad_buffer.zero_()
+                bucket.zero_grads(set_to_none)
 
     def _param_index(self, param: Tensor) -> int:
         index = 0

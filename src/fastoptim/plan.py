@@ -317,7 +317,7 @@ def build(rule, group: dict, params: list[Tensor], state_map: StateMap, state_fo
     nothing: new states and copies into flat buffers wait in ``plan.pending`` until ``commit``.
 
     ``state_format(p, name, group)`` says how a state is kept (``storage``); ``param_index(p)`` numbers
-    params in error messages. In flat mode ``params`` are all the group's params, in order.
+    params in error messages. In flat mode too ``params`` are the group's params whose grad is not None.
     """
     for p in params:  # what torch.optim refuses at its step (in flat mode only params with a grad, as torch)
         why = rule.check_stepped_param(p, group) if flat_buckets is None or p.grad is not None else None
@@ -371,7 +371,9 @@ def _build_flat(plan: Plan, rule, group: dict, fb: FlatBucket, names: list[str],
     """Flat mode: a state is a view of the bucket's buffer for that state, which holds the params from the
     first one whose states are plain or 16-bit on (``FlatBucket`` puts the params with quantized states
     first); the params before it keep states of their own, as without flat mode. A missing state starts at
-    its initial value; one the user replaced (or a checkpoint loaded) is copied into its view, or converted."""
+    its initial value; one the user replaced (or a checkpoint loaded) is copied into its view, or converted.
+    Only the params in ``positions`` (grad not None) step: where some do not, the others step on their aliases."""
+    fb.realias()  # (new alias objects for any whose memory moved: a state on moved memory is then copied back)
     replaced = [i for i, (p, view) in enumerate(zip(fb.params, fb.param_views))
                 if not same_layout(p, view)]
     for i in replaced:  # p.data = ... or p.t_() since the last step: the values go into the buffer (at commit)
@@ -390,8 +392,9 @@ def _build_flat(plan: Plan, rule, group: dict, fb: FlatBucket, names: list[str],
              for n, fmt in tail_format.items()}
     pools = {n: fb.pooled_states(n, [f if f.quantized else None for f in formats[n][:start]]) for n in names}
     fills = {name: rule.initial_value(name, group) for name in names}
-    counts, tensors = [], []
-    for i, p in enumerate(fb.params):
+    members = [i for i, p in enumerate(fb.params) if id(p) in positions]
+    counts, tensors = {}, {}
+    for i, p in ((i, fb.params[i]) for i in members):
         def make(name, value, i=i, p=p):
             adopted = None if value is None else _adopt(value, p, formats[name][i], name, param_index(p))
             if i < start and pools[name][i] is None:  # kept apart, as without flat mode
@@ -399,15 +402,15 @@ def _build_flat(plan: Plan, rule, group: dict, fb: FlatBucket, names: list[str],
             view = pools[name][i] if i < start else views[name][i]  # a quantized state's pooled codes and absmax
             return view, (fills[name] if value is None else None if value is view else adopted)
         ts, count = _param_states(plan, p, plan.state_map.get(p), names, rule.exports_step, make, param_index)
-        counts.append((count, _host(plan, rule, group, p, plan.state_map.get(p))))
-        tensors.append(ts)
+        counts[i] = (count, _host(plan, rule, group, p, plan.state_map.get(p)))
+        tensors[i] = ts
 
     column = {name: k for k, name in enumerate(names)}
 
     def states(members: list[int]) -> list[list | None]:
         return [[tensors[i][column[n]] for i in members] if n in column else None for n in rule.state_names]
 
-    if len(set(counts)) == 1 and not rule.stages:  # the usual case: one pass over each flat buffer (and one kernel call for the rest)
+    if len(members) == len(fb.params) and len(set(counts.values())) == 1 and not rule.stages:  # the usual case: one pass over each flat buffer (and one kernel call for the rest)
         count, host = counts[0]
         if start:
             plan.buckets.append(PlanBucket((fb.device, fb.dtype), count, list(fb.params[:start]),
@@ -419,10 +422,10 @@ def _build_flat(plan: Plan, rule, group: dict, fb: FlatBucket, names: list[str],
             plan.buckets.append(PlanBucket((fb.device, fb.dtype), count, [fb.param_buffer[off:]], buffers,
                                            list(fb.params[start:]), None, flat_grad=fb.grad_buffer[off:], host=host))
         return
-    # params at different counts (a reset state, a partial checkpoint), or a rule with per-tensor stages (they need
-    # each param's shape): per param, on the views
+    # some params without a grad, params at different counts (a reset state, a partial checkpoint), or a rule with
+    # per-tensor stages (they need each param's shape): per param, on the aliases
     by_count: dict[tuple, list[int]] = {}
-    for i, c in enumerate(counts):
+    for i, c in counts.items():
         by_count.setdefault(c, []).append(i)
     for (c, host), members in by_count.items():
         owners = [fb.params[i] for i in members]
