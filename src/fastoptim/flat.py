@@ -45,6 +45,7 @@ class GradViews(list):
     what it worked out from them while it gets this very object; holding it keeps nothing else alive)."""
 
 
+@torch.compiler.disable  # a backward run from a compiled function would trace it, once per param (index guards)
 def _point_grad(bucket_ref: weakref.ref, index: int, grad_outputs: tuple) -> None:
     """Runs before autograd accumulates a param's grad (a pre-hook of its AccumulateGrad node, which runs in a
     backward and not in ``torch.autograd.grad``): see ``FlatBucket.point_grad``. Holds its bucket weakly: the
