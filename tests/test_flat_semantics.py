@@ -184,6 +184,27 @@ def test_a_hook_never_points_a_grad_at_a_buffer_the_param_left():
         _assert_same(ours_model, ours, ref_model, ref)
 
 
+
+@pytest.mark.parametrize("moved", ["model.share_memory()", "grad.share_memory_()"])
+def test_a_grad_whose_memory_moved_after_the_step_starts_the_next_backward_at_zero(moved):
+    """Grads moved to shared memory after a step (``model.share_memory()`` moves params and grads), then
+    ``model.zero_grad()`` and a backward: the hook must not hand a moved alias (still holding the last grads,
+    out of the buffer's memset) back as the grad; it hands out a new alias of the zeroed buffer."""
+    ours_model, ours, ref_model, ref = _pair(*OPTIMIZERS["sgd_momentum"])
+    x = torch.randn(5, 6)
+    for step in range(3):
+        for model, opt in ((ours_model, ours), (ref_model, ref)):
+            model.zero_grad()
+            model(x).square().mean().backward()
+            opt.step()
+            if step == 0 and model is ours_model:
+                if moved == "model.share_memory()":
+                    model.share_memory()
+                else:
+                    for p in model.parameters():
+                        p.grad.share_memory_()
+        _assert_same(ours_model, ours, ref_model, ref)
+
 def _train(model, opt, steps, seed):
     g = torch.Generator().manual_seed(seed)
     for _ in range(steps):

@@ -293,7 +293,11 @@ class FlatBucket:
         tensor that the step would have to copy in). After ``model.zero_grad()`` the first such hook finds every
         grad None and zeroes the whole buffer with one memset instead of one per param."""
         p = self.params[i]
-        if p.grad is not None or p.dtype != self.dtype or not p.is_set_to(self.param_views[i]):
+        if p.grad is not None or p.dtype != self.dtype:
+            return
+        if self.grad_views[i].data_ptr() != self.grad_buffer.data_ptr() + self._starts[i] * p.element_size():
+            self.realias()  # its memory moved (share_memory_()) holding old grads, which no memset here reaches
+        if not p.is_set_to(self.param_views[i]):
             return
         view, layout = self.grad_views[i], self._grad_layouts[i]
         if not view.is_set_to(layout):  # the alias handed out was re-laid (p.grad.t_()) before it was set to None
