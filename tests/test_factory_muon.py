@@ -196,9 +196,10 @@ def test_several_linears_named_like_a_head_all_go_to_adamw_with_a_warning_naming
     opt, caught = _create(model)
     _check(model, opt, [])  # every matrix is in the head: nothing on Muon
     assert not [g for g in opt.param_groups if g.get("use_muon", True)]
-    assert len(caught) == 1
+    assert len(caught) == 2  # the guess, and that nothing is left for Muon
     assert "3 Linears are named like an output head ('classifier.0', 'classifier.2', 'classifier.4')" \
         in str(caught[0].message)
+    assert "no hidden 2-D matrix for Muon" in str(caught[1].message)
 
 
 def test_head_says_it_outright_without_a_warning():
@@ -215,7 +216,18 @@ def test_a_single_linear_model_is_its_own_head():
     model = nn.Linear(4, 2)
     opt, caught = _create(model)
     _check(model, opt, [])
-    assert len(caught) == 1 and "the model itself" in str(caught[0].message)
+    messages = [str(w.message) for w in caught]
+    assert len(messages) == 2 and "the model itself" in messages[0] and "no hidden 2-D matrix" in messages[1]
+
+
+def test_a_model_with_nothing_for_muon_says_so():
+    """A conv net whose only Linear is its classifier: Muon gets nothing (conv weights are 4-D), with a warning."""
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 10))
+    opt, caught = _create(model)
+    _check(model, opt, [])
+    assert any("no hidden 2-D matrix for Muon" in str(w.message) for w in caught)
+    _, caught = _create(ResNetLike())  # its squeeze-excite Linears are Muon's: no such warning
+    assert not any("no hidden" in str(w.message) for w in caught)
 
 
 @pytest.mark.parametrize("make", [ResNetLike, ViTLike])

@@ -115,6 +115,9 @@ def muon_groups(model: torch.nn.Module, weight_decay: float | None = None, adamw
             hidden.append(p)
         else:
             (matrices if p.dim() >= 2 else vectors).append(p)
+    if not hidden and (matrices or vectors):
+        _warn("muon_groups: the model has no hidden 2-D matrix for Muon (Muon steps 2-D weights; convolution "
+              "weights have more dims): every param steps with AdamW")
     decay = {} if weight_decay is None else {"weight_decay": weight_decay}
     adamw = dict(use_muon=False, lr=adamw_lr, betas=adamw_betas, eps=adamw_eps)
     groups = [{"params": hidden, **decay}, {"params": matrices, **adamw, **decay},
