@@ -232,6 +232,18 @@ class QuantizedState:
     def __repr__(self) -> str:
         return f"QuantizedState({self.fmt.tag}, shape={tuple(self.shape)}, device={self.device})"
 
+    def __getstate__(self) -> dict:
+        """What pickle and deepcopy keep: codes and absmax of their own bytes (flat mode's are views of one pool
+        per state, which pickle would write whole for every state)."""
+        return {k: _own_bytes(v) if isinstance(v, Tensor) else v for k, v in self.__dict__.items()}
+
+
+def _own_bytes(t: Tensor) -> Tensor:
+    """``t``, or a copy of it where it is a view of a larger storage."""
+    if is_dtensor(t) or t.untyped_storage().nbytes() == t.nbytes:
+        return t
+    return t.clone()
+
 
 def is_dtensor(t) -> bool:
     from ..levels import is_dtensor as check
