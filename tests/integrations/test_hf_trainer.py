@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+import fastoptim
+
 from .kinds import KIND_NAMES, KINDS, tokens
 
 transformers = pytest.importorskip("transformers")
@@ -69,9 +71,24 @@ def test_optimizer_cls_and_kwargs(kind, tmp_path):
         assert losses == pytest.approx(torch_losses, rel=1e-5, abs=1e-6)
 
 
-def test_gradient_accumulation_and_clipping(tmp_path):
+@pytest.mark.parametrize("kind", ["32", "32-flat"])
+def test_gradient_accumulation_and_clipping(kind, tmp_path):
     """The Trainer's own clipping (max_grad_norm) and accumulation, against torch.optim's AdamW."""
     extra = dict(gradient_accumulation_steps=2, max_grad_norm=0.5)
-    _, losses, _ = train(tmp_path / "a", KINDS["32"].make, **extra)
-    _, torch_losses, _ = train(tmp_path / "t", KINDS["32"].torch_twin, **extra)
+    _, losses, _ = train(tmp_path / "a", KINDS[kind].make, **extra)
+    _, torch_losses, _ = train(tmp_path / "t", KINDS[kind].torch_twin, **extra)
     assert losses == pytest.approx(torch_losses, rel=1e-5, abs=1e-6)
+
+
+@pytest.mark.parametrize("flat", [False, True])
+def test_clipping_in_the_step(flat, tmp_path):
+    """fastoptim's own max_grad_norm (the Trainer's clipping off) equals the Trainer clipping for torch.optim (SGD:
+    Adam's update hardly changes when its grads are scaled, so a wrong clip factor would not show)."""
+    ours = lambda model: fastoptim.SGD(model.parameters(), lr=0.5, max_grad_norm=0.5, flat=flat)  # noqa: E731
+    theirs = lambda model: torch.optim.SGD(model.parameters(), lr=0.5, foreach=False)  # noqa: E731
+    model, _, _ = train(tmp_path / "a", ours, max_grad_norm=0.0)
+    reference, _, _ = train(tmp_path / "t", theirs, max_grad_norm=0.5)
+    unclipped, _, _ = train(tmp_path / "u", theirs, max_grad_norm=0.0)
+    for a, b, c in zip(model.parameters(), reference.parameters(), unclipped.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert max((b - c).abs().max().item() for b, c in zip(reference.parameters(), unclipped.parameters())) > 1e-3
