@@ -19,6 +19,8 @@ from typing import Callable, Iterator
 import torch
 from torch import Tensor
 
+from ..storage.state import is_dtensor
+
 IMPLS = ("auto", "loop", "foreach", "fused", "compiled")
 LEVELS = IMPLS[1:]  # the concrete levels ("auto" picks one of them)
 
@@ -39,11 +41,6 @@ class Bucket:
     @property
     def device(self) -> torch.device:
         return self.params[0].device
-
-
-def is_dtensor(t) -> bool:
-    """A sharded tensor (FSDP2 / tensor parallel), told apart without importing torch.distributed."""
-    return type(t) is not Tensor and type(t).__name__ == "DTensor" and hasattr(t, "to_local")
 
 
 # --- which path ran: tests of a fast path assert that it ran -------------------------------------------
