@@ -2,7 +2,7 @@
 
 Each entry: (label, module to import, factory(params, kwargs) -> optimizer, state precision). Imports happen
 only when a row is built, so a missing library costs nothing but its rows. Peers that compile on their first
-step (heavyball: 140 s for the 400-tensor quick mlp; torchao's low-bit states: ~30 s) come with "all" only.
+step (heavyball, torchao's low-bit states: how long, in docs/performance.md) come with "all" only.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The bench's table and JSON. The JSON schema is documented in README.md ("Bench JSON")."""
+"""The bench's table and JSON. The JSON schema is documented in docs/bench.md ("Bench JSON")."""
 
 from __future__ import annotations
 
