@@ -8,8 +8,7 @@ import pytest
 import torch
 
 import fastoptim
-from fastoptim import bulk
-from fastoptim.levels import cpu_kernels
+from fastoptim import bulk, native
 
 
 @pytest.fixture(params=["native", "python"])
@@ -17,7 +16,7 @@ def check(request, monkeypatch):
     """Each test once through the C++ pass and once through the Python loop it stands in for."""
     if request.param == "python":
         monkeypatch.setattr(bulk, "_loaded", lambda: (None, "off in this test"))
-    elif cpu_kernels.compiler() is None or not os.path.exists(os.path.join(sysconfig.get_paths()["include"],
+    elif native.compiler() is None or not os.path.exists(os.path.join(sysconfig.get_paths()["include"],
                                                                             "Python.h")):
         pytest.skip("no C++ compiler or no Python headers: the C++ pass cannot be built on this machine")
     else:
@@ -122,7 +121,7 @@ def test_flat_steps_check_their_views_in_one_cpp_pass_and_see_a_replaced_param(c
 
 def test_without_a_compiler_the_python_loop_answers(monkeypatch):
     bulk._loaded.cache_clear()
-    monkeypatch.setattr(cpu_kernels, "compiler", lambda: None)
+    monkeypatch.setattr(native, "compiler", lambda: None)
     try:
         assert "no C++ compiler" in bulk.unavailable()
         base = torch.zeros(8)

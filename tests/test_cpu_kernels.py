@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import fastoptim
-from fastoptim import levels, storage
+from fastoptim import levels, native, storage
 from fastoptim.levels import cpu_kernels, record_paths
 from conftest import ELEMENTWISE_CASES  # noqa: E402
 from fastoptim.registry import OPTIMIZERS
@@ -272,7 +272,7 @@ def test_without_a_compiler_the_fused_level_warns_once_and_runs_staged(monkeypat
 
 
 def _fresh_kernels():
-    for cached in (cpu_kernels.available, cpu_kernels.kernel, cpu_kernels._library, cpu_kernels._target):
+    for cached in (cpu_kernels.available, cpu_kernels.kernel, cpu_kernels._library, native.target):
         cached.cache_clear()
 
 

@@ -1,0 +1,48 @@
+// What every CPU kernel starts from: the vector width this build runs at, torch's NaN-propagating min/max, float
+// bits, and bf16 <-> fp32 as torch converts. Included (inlined by native.assemble) into step_kernel.cpp.
+#ifndef FO_COMMON_HPP
+#define FO_COMMON_HPP
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <cmath>
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__) && \
+    defined(__AVX512VBMI__)
+#include <immintrin.h>
+#define FO_AVX512 1
+#define FO_AVX2 1
+#elif defined(__AVX2__)
+#include <immintrin.h>
+#define FO_AVX2 1
+#endif
+
+// the vector width this build's codec runs at (512, 256, or 0: scalar)
+extern "C" int fo_simd_width() {
+#if defined(FO_AVX512)
+    return 512;
+#elif defined(FO_AVX2)
+    return 256;
+#else
+    return 0;
+#endif
+}
+
+static inline float fo_maximum(float a, float b) { return (a != a || b != b) ? a + b : (a > b ? a : b); }
+static inline float fo_minimum(float a, float b) { return (a != a || b != b) ? a + b : (a < b ? a : b); }
+
+// |x|'s bits: integer max over them orders them as the values (NaN above inf), so it finds the block's absmax
+static inline uint32_t magnitude_bits(float x) { uint32_t u; std::memcpy(&u, &x, 4); return u & 0x7FFFFFFFu; }
+static inline float from_bits(uint32_t u) { float x; std::memcpy(&x, &u, 4); return x; }
+
+// bf16 <-> fp32 as torch converts: widening is exact; narrowing rounds to nearest even, NaN stays quiet NaN
+static inline void bf16_load(const uint16_t* src, int64_t n, float* out) {
+    for (int64_t i = 0; i < n; ++i) { uint32_t u = (uint32_t)src[i] << 16; std::memcpy(out + i, &u, 4); }
+}
+static inline void bf16_store(const float* in, int64_t n, uint16_t* dst) {
+    for (int64_t i = 0; i < n; ++i) {
+        uint32_t u; std::memcpy(&u, in + i, 4);
+        const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+        dst[i] = in[i] != in[i] ? (uint16_t)0x7FC0 : (uint16_t)rounded;
+    }
+}
+#endif  // FO_COMMON_HPP

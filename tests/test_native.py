@@ -1,0 +1,65 @@
+"""``fastoptim.native``: C++ read from the files the package ships, assembled into one source, built once per
+cache folder even by processes that need it at the same time, and loaded."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+import fastoptim
+from fastoptim import native
+
+needs_compiler = pytest.mark.skipif(native.compiler() is None, reason="no C++ compiler here")
+
+
+def test_sources_are_the_package_files_and_headers_are_inlined_once():
+    assert native.source_dir() == os.path.dirname(native.__file__)
+    source = native.assemble("step_kernel.cpp", width="5", block="256", constants="", codecs="", arrays="",
+                             tops="", loads="", grad="G[i]", reads="", body="", writes="", stores="", probes="")
+    assert '#include "' not in source  # common.hpp and codec.hpp inlined, so the cache key covers them
+    assert source.count("#define FO_COMMON_HPP") == 1 and source.count("#define FO_CODEC_HPP") == 1
+    assert "constexpr int64_t WIDTH = 5;" in source and "${width}" not in source
+    for name in ("step_kernel.cpp", "codec.hpp", "common.hpp"):
+        assert native.sources_read[name] == os.path.join(native.source_dir(), name)
+    with pytest.raises(KeyError, match="probes"):  # a slot left unfilled is an error, not a silent blank
+        native.assemble("step_kernel.cpp", width="5", block="256", constants="", codecs="", arrays="", tops="",
+                        loads="", grad="G[i]", reads="", body="", writes="", stores="")
+
+
+def test_the_python_files_carry_no_cpp_source():
+    """The fixed C++ lives in the shipped files; what Python generates are one-line pieces."""
+    package = os.path.dirname(fastoptim.__file__)
+    for name in ("bulk.py", os.path.join("levels", "cpu_kernels.py")):
+        with open(os.path.join(package, name)) as f:
+            text = f.read()
+        assert "#include" not in text and 'extern "C"' not in text, name
+
+
+@needs_compiler
+def test_two_processes_that_need_one_library_build_it_once(tmp_path):
+    """Two processes (two pytest-xdist workers, say) ask for one library in an empty cache at the same moment:
+    one compiles it, the other waits for it and loads what was built (a slow compiler makes them overlap)."""
+    log = tmp_path / "compiles.log"
+    slow_cxx = tmp_path / "slow-c++"
+    slow_cxx.write_text(f"#!/bin/sh\necho run >> {log}\nsleep 2\nexec {native.compiler()} \"$@\"\n")
+    slow_cxx.chmod(0o755)
+    script = textwrap.dedent(f"""
+        import os, sys, time, importlib.util
+        spec = importlib.util.spec_from_file_location("native", {native.__file__!r})  # native alone, no torch
+        native = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(native)
+        open(os.path.join({str(tmp_path)!r}, "ready" + sys.argv[1]), "w").close()
+        while len([f for f in os.listdir({str(tmp_path)!r}) if f.startswith("ready")]) < 2:
+            time.sleep(0.01)
+        lib = native.load("answer", 'extern "C" int fo_answer() {{ return 42; }}', ["-O0", "-shared", "-fPIC"])
+        print(lib.fo_answer(), len(native.built))
+    """)
+    env = dict(os.environ, CXX=str(slow_cxx), FASTOPTIM_CACHE=str(tmp_path / "cache"))
+    runs = [subprocess.Popen([sys.executable, "-c", script, str(k)], env=env, stdout=subprocess.PIPE, text=True)
+            for k in range(2)]
+    answers = sorted(run.communicate(timeout=120)[0].split() for run in runs)
+    assert answers == [["42", "0"], ["42", "1"]]  # both loaded it; one of them built it
+    assert log.read_text().count("run") == 1
+    assert len(list((tmp_path / "cache").glob("answer_*.so"))) == 1
