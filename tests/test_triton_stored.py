@@ -22,10 +22,11 @@ import torch
 pytest.importorskip("triton")
 
 import fastoptim  # noqa: E402
-from fastoptim import levels, storage  # noqa: E402
+from fastoptim import storage  # noqa: E402
+from fastoptim.paths import base as levels, fused  # noqa: E402
 from fastoptim.storage import quant  # noqa: E402
 from fastoptim.levels import record_paths  # noqa: E402
-from fastoptim.levels import triton_stored as ts  # noqa: E402
+from fastoptim.paths import triton_stored as ts  # noqa: E402
 from conftest import ELEMENTWISE, ELEMENTWISE_CASES  # noqa: E402
 from fastoptim.registry import OPTIMIZERS  # noqa: E402
 
@@ -278,11 +279,11 @@ def test_thirty_tensors_of_three_shapes_in_one_launch(interpret):
 
 
 def test_stored_level_is_declared_for_the_fused_level_under_triton(interpret):
-    from fastoptim import levels
+    from fastoptim.paths import base as levels
 
     cpu = torch.device("cpu")
-    assert levels.stored_level("fused", cpu) is levels.fused.run_stored_triton
-    assert levels.stored_level("auto", cpu) is levels.fused.run_stored_triton
+    assert levels.stored_level("fused", cpu) is fused.run_stored_triton
+    assert levels.stored_level("auto", cpu) is fused.run_stored_triton
     assert levels.stored_level("loop", cpu) is None and levels.stored_level("compiled", cpu) is None
 
 

@@ -22,9 +22,11 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import Tensor
 
-from . import amp, bulk, clip, levels, plan, storage
-from .flat import FlatBucket
-from .levels import Bucket, is_dtensor, sharded, stages
+from . import bulk, clip, storage
+from .engine import amp, plan
+from .paths import base as levels, sharded, stages
+from .engine.flat import FlatBucket
+from .paths.base import Bucket, is_dtensor
 from .rules import Rule
 
 

@@ -304,7 +304,7 @@ def run_staged(run: Callable, bucket, *args, found_inf: Tensor | None = None, ro
     its local shard): the rounding keeps its own state there (``KAHAN``, ``RNG``), made on first use."""
     if found_inf is not None and found_inf.item() != 0:
         return
-    from ..levels import Bucket
+    from ..paths.base import Bucket
 
     # 16-bit params step in fp32 where they are rounded by other means, or where a state is kept at another
     # width than theirs (its values are not rounded to the param's dtype on the way: one rounding, at the end)

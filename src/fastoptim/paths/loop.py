@@ -6,7 +6,7 @@ from typing import Callable, Sequence
 
 from torch import Tensor
 
-from . import Bucket, scaled_grads, took
+from .base import Bucket, scaled_grads, took
 from .blocking import BLOCK_NUMEL, _pieces
 
 

@@ -45,7 +45,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from . import pack_scalars, took
+from .base import pack_scalars, took
 from .triton_kernels import ALIGN, NUM_WARPS, _exec_source, _jit, interpreting, triton_twin
 from .. import storage
 from ..storage import Format, quant

@@ -16,8 +16,9 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from . import Bucket, loop, pack_scalars, say_routed, scaled_grads, took
-from .. import levels as _levels  # for ROUTING, read at each call
+from . import loop
+from .base import Bucket, pack_scalars, say_routed, scaled_grads, took
+from . import base as _levels  # for ROUTING, read at each call
 
 # Buckets of tensors this small on average run on the fused level instead: one compiled call per tensor
 # costs more than it saves (mlp2000, 4000 tensors of ~2K elements: 499 ms/step compiled, against 229 for

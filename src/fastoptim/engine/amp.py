@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from . import levels
+from ..paths import base as levels
 
 
 @dataclass

@@ -12,7 +12,7 @@ from typing import Callable, Sequence
 import torch
 from torch import Tensor
 
-from . import Bucket, scaled_grads, took
+from .base import Bucket, scaled_grads, took
 from .blocking import blocks
 
 # a CPU block of at least this many tensors runs gathered into one tensor per role (``_apply_gathered``)

@@ -30,8 +30,8 @@ import torch
 from torch import Tensor
 from torch.utils.dlpack import to_dlpack
 
-from . import storage
-from .bulk import all_set_to, layouts, set_to as same_layout, with_grads
+from .. import storage
+from ..bulk import all_set_to, layouts, set_to as same_layout, with_grads
 
 
 def alias(buffer: Tensor, start: int, shape: torch.Size) -> Tensor:

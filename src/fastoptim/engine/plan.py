@@ -43,9 +43,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from . import bulk, storage
+from .. import bulk, storage
 from .flat import FlatBucket, same_layout
-from .levels import is_dtensor
+from ..storage.state import is_dtensor
 from .state_map import StateDict, StateMap, as_state_map, quiet_set  # noqa: F401 (optimizer.state, counting)
 
 

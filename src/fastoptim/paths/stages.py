@@ -25,7 +25,8 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from . import Bucket, level, pack_scalars, scaled_grads, sharded, took
+from . import sharded
+from .base import Bucket, level, pack_scalars, scaled_grads, took
 
 
 class StageRule:

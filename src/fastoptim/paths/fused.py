@@ -24,8 +24,9 @@ import torch
 from torch import Tensor
 
 from .. import bulk
-from ..flat import GradViews
-from . import Bucket, caller_stacklevel, compiled, foreach, is_dtensor, pack_scalars, took, uses_triton
+from ..engine.flat import GradViews
+from . import compiled, foreach
+from .base import Bucket, caller_stacklevel, is_dtensor, pack_scalars, took, uses_triton
 
 # torch 2.13's fused CPU SGD is wrong for fp16/bf16 (0.26 off its own single-tensor SGD after 3 steps),
 # so low-precision buckets take our own paths
@@ -129,7 +130,7 @@ def run_stored(rule, bucket: Bucket, group: dict, step: int, scalars: tuple, fla
                found_inf=None) -> Bucket | None:
     """Step the params of ``bucket`` whose 16/8/4-bit state the CPU kernel loads and stores in place; return
     the rest (plain state, other dtypes, strided tensors), for the staged path, or None when nothing is left."""
-    from . import cpu_kernels
+    from ..levels import cpu_kernels
 
     if found_inf is not None and found_inf.item() != 0:
         return None
