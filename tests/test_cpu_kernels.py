@@ -18,7 +18,7 @@ import torch
 
 import fastoptim
 from fastoptim import storage
-from fastoptim.paths import fused as kernel_path
+from fastoptim.paths import cpu_kernel as kernel_path
 from fastoptim.levels import cpu_kernels, record_paths
 from conftest import ELEMENTWISE_CASES  # noqa: E402
 from fastoptim.registry import OPTIMIZERS

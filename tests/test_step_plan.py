@@ -442,7 +442,7 @@ RELAYOUTS = {
 def test_a_param_re_laid_at_the_same_address_steps_as_torch_does(monkeypatch, name, level, relayout, routing):
     """A square param transposed between steps keeps its address: the plan sees the new strides, so no
     cached layout decision (torch's fused CPU kernels take only contiguous tensors) outlives it."""
-    from fastoptim.paths import base as levels
+    from fastoptim.engine import dispatch as levels
     monkeypatch.setattr(levels, "ROUTING", routing)
     spec, ours, ours_p, ref, ref_p, g = _pair(name, level, option=1, shapes=((6, 6), (4,)))
     for step in range(4):

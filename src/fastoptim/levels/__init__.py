@@ -1,4 +1,5 @@
-"""The names older code imports from ``fastoptim.levels``, now in ``fastoptim.paths`` and ``fastoptim.engine``.
+"""The names older code imports from ``fastoptim.levels``, now in ``fastoptim.engine.dispatch`` (routing, the
+levels' names) and ``fastoptim.paths`` (the paths themselves).
 
 Read lazily, so that loading ``fastoptim.levels.cpu_kernels`` (the C++ kernels' build, which ``bulk`` uses) loads
 nothing above it."""
@@ -8,9 +9,9 @@ _MOVED = ("IMPLS", "LEVELS", "PATHS", "check_impl", "own_paths", "record_paths",
 
 def __getattr__(name: str):
     if name in _MOVED:
-        from ..paths import base
+        from ..engine import dispatch
 
-        return getattr(base, name)
+        return getattr(dispatch, name)
     raise AttributeError(f"module 'fastoptim.levels' has no attribute {name!r}")
 
 

@@ -17,14 +17,15 @@ import torch
 from torch import Tensor
 
 from . import loop
-from .base import Bucket, pack_scalars, say_routed, scaled_grads, took
-from . import base as _levels  # for ROUTING, read at each call
+from .base import Bucket, Path, StepContext, pack_scalars, scaled_grads
 
-# Buckets of tensors this small on average run on the fused level instead: one compiled call per tensor
-# costs more than it saves (mlp2000, 4000 tensors of ~2K elements: 499 ms/step compiled, against 229 for
-# torch's foreach and 28 for the fused level), and every new shape class compiles anew. Flat buffers are
-# one large tensor.
-ROUTE_BELOW_MEAN_NUMEL = 1 << 14
+# Buckets of tensors this small on average are not compiled (the dispatcher routes them): one compiled call per
+# tensor costs more than it saves, and every new shape class compiles anew. Flat buffers are one large tensor.
+MIN_MEAN_NUMEL = 1 << 14
+
+
+def mean_numel(bucket: Bucket) -> float:
+    return sum(p.numel() for p in bucket.params) / len(bucket.params)
 
 
 def _in_place(update: Callable, flags: tuple, has_grad_mul: bool) -> Callable:
@@ -56,31 +57,36 @@ def compiled_step(update: Callable, flags: tuple, dtype: torch.dtype, has_grad_m
     return torch.compile(_in_place(update, flags, has_grad_mul), dynamic=True, fullgraph=True)
 
 
-def run(rule, bucket: Bucket, group: dict, step: int, scalars: tuple, flags: tuple, grad_mul=None) -> None:
-    mean_numel = sum(p.numel() for p in bucket.params) / len(bucket.params)
-    if _levels.ROUTING and mean_numel < ROUTE_BELOW_MEAN_NUMEL:
-        from . import fused  # (fused imports this module)
-        say_routed("compiled", "fused", f"for buckets of small tensors ({len(bucket.params)} tensors of "
-                   f"{mean_numel:.0f} elements on average, under {ROUTE_BELOW_MEAN_NUMEL}) one compiled call per "
-                   "tensor would cost more than the step; flat=True compiles one call over the whole buffer")
-        return fused.run(rule, bucket, group, step, scalars, flags, grad_mul)
-    took("compiled")
-    dtype = bucket.params[0].dtype
-    fn = compiled_step(rule.update, tuple(flags), dtype, grad_mul is not None)
-    scalars_t = pack_scalars(scalars if grad_mul is None else (*scalars, grad_mul), bucket.device,
-                             torch.float64 if dtype == torch.float64 else torch.float32)
-    grads = bucket.grads
-    strided = []  # non-contiguous tensors: each layout would be a recompile; they run eagerly instead
-    for i, (p, g) in enumerate(zip(bucket.params, grads)):
-        states = [None if s is None else s[i] for s in bucket.states]
-        if p.numel() == 0:
-            continue
-        if not all(t is None or t.is_contiguous() for t in (p, g, *states)):
-            strided.append(i)
-            continue
-        fn(_flat(p), _flat(g), [None if s is None else _flat(s) for s in states], scalars_t)
-    if strided:
-        grads = scaled_grads([grads[i] for i in strided], grad_mul)
-        loop.apply(rule.update, [bucket.params[i] for i in strided], grads,
-                   [None if s is None else [s[i] for i in strided] for s in bucket.states], scalars, flags)
+class Compiled(Path):
+    """The rule compiled by Inductor, one in-place call per tensor (strided tensors eagerly, one at a time).
+    ``fallible``: where the fused level compiles on the CPU, a rule that fails to compile runs elsewhere."""
+    name = "compiled"
+    takes_grad_mul = True
 
+    def __init__(self, fallible: bool = False):
+        self.fallible = fallible
+
+    def run(self, part: Bucket, ctx: StepContext) -> None:
+        grad_mul, scalars, flags = ctx.grad_mul, ctx.scalars, ctx.flags
+        dtype = part.params[0].dtype
+        fn = compiled_step(ctx.rule.update, tuple(flags), dtype, grad_mul is not None)
+        scalars_t = pack_scalars(scalars if grad_mul is None else (*scalars, grad_mul), part.device,
+                                 torch.float64 if dtype == torch.float64 else torch.float32)
+        grads = part.grads
+        strided = []  # non-contiguous tensors: each layout would be a recompile; they run eagerly instead
+        for i, (p, g) in enumerate(zip(part.params, grads)):
+            states = [None if s is None else s[i] for s in part.states]
+            if p.numel() == 0:
+                continue
+            if not all(t is None or t.is_contiguous() for t in (p, g, *states)):
+                strided.append(i)
+                continue
+            fn(_flat(p), _flat(g), [None if s is None else _flat(s) for s in states], scalars_t)
+        if strided:
+            grads = scaled_grads([grads[i] for i in strided], grad_mul)
+            loop.apply(ctx.rule.update, [part.params[i] for i in strided], grads,
+                       [None if s is None else [s[i] for i in strided] for s in part.states], scalars, flags)
+
+
+COMPILED = Compiled()
+COMPILED_OR_NEXT = Compiled(fallible=True)  # the fused level's CPU path: a rule that will not compile runs foreach
