@@ -206,7 +206,7 @@ def run_chain(chain: tuple[Path, ...], bucket: Bucket, ctx: StepContext) -> None
         taken = path.takes(bucket, ctx)
         if taken is not None and not taken:
             continue
-        if ctx.found_inf is not None and not path.skips_in_kernel(ctx) and ctx.inf_found():
+        if ctx.found_inf is not None and not path.skips_in_kernel(ctx) and _inf_found(ctx):
             return  # GradScaler saw inf/NaN grads: read on the host, as this path cannot skip by itself
         n = len(bucket.params)
         if taken is None:
@@ -224,6 +224,12 @@ def run_chain(chain: tuple[Path, ...], bucket: Bucket, ctx: StepContext) -> None
         rest = sorted(rest)  # its own cache where the split is the bucket's (what the paths work out once)
         bucket = subset(bucket, rest, bucket.cache.setdefault(("rest", tuple(rest)), {})
                         if path.stable_split else None)
+
+
+def _inf_found(ctx: StepContext) -> bool:
+    if ctx.inf_read is None:  # (one sync per bucket, only where a path cannot skip in its kernel)
+        ctx.inf_read = ctx.found_inf.item() != 0
+    return ctx.inf_read
 
 
 def _run(path: Path, part: Bucket, ctx: StepContext) -> list[int] | None:
@@ -244,7 +250,10 @@ def _run(path: Path, part: Bucket, ctx: StepContext) -> list[int] | None:
                       stacklevel=caller_stacklevel())
         return list(range(len(part.params)))
     if not path.counted:  # written in place behind autograd's back: counted as torch.optim's steps count it
-        bulk.bump_versions(part.params if not left else [p for i, p in enumerate(part.params) if i not in left])
+        skipped = set(left or ())  # (what it left is counted by the path that steps it)
+        written = [p for i, p in enumerate(part.params) if i not in skipped] if skipped else part.params
+        if written:
+            bulk.bump_versions(written)
     return left
 
 

@@ -68,15 +68,10 @@ class StepContext:
     rounding: str = "nearest"           # how 16-bit params step through fp32 ("nearest": as the path does)
     entries: Callable | None = None     # i -> (state dict, optimizer index, param) of the bucket's i-th param
     run_plain: Callable | None = None   # (bucket, ctx) -> None: the dispatcher's route for plain-state buckets
-    _inf_read: bool | None = None       # found_inf read on the host (once per bucket)
+    inf_read: bool | None = None        # found_inf as the dispatcher read it on the host (once per bucket)
 
     def but(self, **changes) -> StepContext:
         return dataclasses.replace(self, **changes)
-
-    def inf_found(self) -> bool:
-        if self._inf_read is None:
-            self._inf_read = self.found_inf is not None and self.found_inf.item() != 0
-        return self._inf_read
 
 
 class Path:
