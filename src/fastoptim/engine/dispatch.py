@@ -25,6 +25,7 @@ leaves runs staged (``paths.staged``) through the plain route. Per-tensor stages
 
 from __future__ import annotations
 
+import os
 import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -93,8 +94,6 @@ def skips_in_kernel(impl: str, device: torch.device) -> bool:
 def may_skip_in_kernel(impl: str) -> bool:
     """Whether ``skips_in_kernel`` can hold for ``impl`` on any device here: a quick answer before looking at
     every param's device (no Triton, or neither CUDA nor Triton's interpreter: never)."""
-    import os
-
     return (impl in ("auto", "fused") and triton_available()
             and (os.environ.get("TRITON_INTERPRET") == "1" or torch.cuda.is_available()))
 

@@ -48,10 +48,16 @@ class GradViews(list):
 
 def subset(bucket: Bucket, indices: list[int], cache: dict | None = None) -> Bucket:
     """The params at ``indices`` of ``bucket``, with their grads and states; ``cache``: one that lives as long as
-    ``bucket.cache`` and was made for these very indices (else the subset's cache starts empty)."""
-    return Bucket([bucket.params[i] for i in indices], [bucket.grads[i] for i in indices],
-                  [None if s is None else [s[i] for i in indices] for s in bucket.states],
-                  {} if cache is None else cache, pools=bucket.pools)
+    ``bucket.cache`` and was made for these very indices (else the subset's cache starts empty). It keeps the
+    subset's params and states too: they are fixed while the bucket's cache lives (only grads are new each step)."""
+    if cache is None:
+        return Bucket([bucket.params[i] for i in indices], [bucket.grads[i] for i in indices],
+                      [None if s is None else [s[i] for i in indices] for s in bucket.states], {}, pools=bucket.pools)
+    members = cache.get("subset_members")
+    if members is None:
+        members = cache["subset_members"] = ([bucket.params[i] for i in indices],
+                                             [None if s is None else [s[i] for i in indices] for s in bucket.states])
+    return Bucket(members[0], [bucket.grads[i] for i in indices], members[1], cache, pools=bucket.pools)
 
 
 @dataclass

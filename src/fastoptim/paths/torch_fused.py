@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from torch import Tensor
 
 from .base import Bucket, Path, StepContext
 
@@ -31,7 +32,7 @@ class TorchFused(Path):
             fixed = bucket.cache["strided_params_or_states"] = {
                 i for i, p in enumerate(bucket.params)
                 if not (p.is_contiguous() and all(s is None or s[i].is_contiguous() for s in bucket.states))}
-        if not fixed and all(g.is_contiguous() for g in bucket.grads):
+        if not fixed and all(map(Tensor.is_contiguous, bucket.grads)):
             return None
         return [i for i, g in enumerate(bucket.grads) if i not in fixed and g.is_contiguous()]
 
