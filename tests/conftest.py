@@ -122,7 +122,7 @@ def _levels_run_their_own_paths(monkeypatch):
     """For speed, the compiled level runs buckets of small tensors on the fused level's path, and the
     foreach level runs the fused level's path on the CPU. Here every level runs its own path, so that is
     what the tests test; test_levels_extra's routing tests check the routing itself."""
-    from fastoptim import levels
+    from fastoptim.engine import dispatch as levels
     monkeypatch.setattr(levels, "ROUTING", False)
 
 

@@ -182,7 +182,8 @@ def test_bench_times_each_step_between_device_syncs(monkeypatch):
 
 def test_curves_rows_run_the_level_they_name(monkeypatch):
     """Routing on (as for users): the foreach and compiled rows of the curves still run their own paths."""
-    from fastoptim import curves, levels
+    from fastoptim import curves
+    from fastoptim.engine import dispatch as levels
     monkeypatch.setattr(levels, "ROUTING", True)
     with levels.record_paths() as paths:
         curves.run(["adamw"], ["foreach", "compiled"], [], steps=2)

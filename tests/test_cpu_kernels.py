@@ -17,7 +17,8 @@ import pytest
 import torch
 
 import fastoptim
-from fastoptim import levels, native, storage
+from fastoptim import native, storage
+from fastoptim.paths import cpu_kernel as kernel_path
 from fastoptim.levels import cpu_kernels, record_paths
 from conftest import ELEMENTWISE_CASES  # noqa: E402
 from fastoptim.registry import OPTIMIZERS
@@ -247,7 +248,7 @@ def test_without_a_compiler_the_fused_level_warns_once_and_runs_staged(monkeypat
     monkeypatch.delenv("CXX", raising=False)
     monkeypatch.setenv("FASTOPTIM_CACHE", str(tmp_path / "cache"))  # nothing built before
     _fresh_kernels()
-    monkeypatch.setattr(levels.fused, "_kernel_warned", set())
+    monkeypatch.setattr(kernel_path, "_kernel_warned", set())
     try:
         assert "no C++ compiler" in cpu_kernels.available()
         g = torch.Generator().manual_seed(5)
@@ -292,7 +293,7 @@ def test_an_unwritable_cache_folder_runs_staged_with_a_warning(monkeypatch, tmp_
     blocker = tmp_path / "a-file"
     blocker.write_text("")
     monkeypatch.setenv("FASTOPTIM_CACHE", str(blocker / "cache"))  # under a file: cannot be made
-    monkeypatch.setattr(levels.fused, "_kernel_warned", set())
+    monkeypatch.setattr(kernel_path, "_kernel_warned", set())
     _fresh_kernels()
     try:
         p = torch.nn.Parameter(torch.randn(16, 256))
@@ -322,7 +323,7 @@ def test_a_kernel_that_fails_to_build_sends_only_its_params_staged(monkeypatch):
     def fail(*args, **kwargs):
         raise cpu_kernels.KernelUnavailable("this kernel failed to build")
 
-    monkeypatch.setattr(levels.fused, "_kernel_warned", set())
+    monkeypatch.setattr(kernel_path, "_kernel_warned", set())
     monkeypatch.setattr(cpu_kernels, "run", fail)
     p = torch.nn.Parameter(torch.randn(16, 256))
     twin = torch.nn.Parameter(p.detach().clone())

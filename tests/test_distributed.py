@@ -108,7 +108,7 @@ def test_a_step_counts_as_an_in_place_write_to_sharded_params(dist_results, labe
 
 def test_row_split_is_torch_chunk_and_owners_balance_the_work():
     """DTensor splits Shard(0) as torch.chunk does (the worker checks every local shard against it)."""
-    from fastoptim.levels.sharded import assign, row_split
+    from fastoptim.paths.sharded import assign, row_split
     for rows in (0, 1, 7, 33, 64):
         for world in (1, 2, 3, 8):
             assert row_split(rows, world) == [len(c) for c in torch.arange(rows).chunk(world)] + \

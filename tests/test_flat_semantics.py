@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import fastoptim
-from fastoptim import flat
+from fastoptim.engine import flat
 from fastoptim.levels import record_paths
 
 safetensors_torch = pytest.importorskip("safetensors.torch")

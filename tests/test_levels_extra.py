@@ -251,7 +251,7 @@ def test_tensor_hyperparameter_must_hold_one_float():
 
 @pytest.mark.parametrize("name,path", [("lion", "foreach"), ("adamw", "torch_fused")])
 def test_compiled_level_routes_small_buckets_to_the_fused_path_and_says_so(monkeypatch, name, path):
-    from fastoptim import levels
+    from fastoptim.engine import dispatch as levels
     from fastoptim.levels import record_paths
     monkeypatch.setattr(levels, "ROUTING", True)
     monkeypatch.setattr(levels, "_said", set())
@@ -283,7 +283,7 @@ def test_compiled_level_routes_small_buckets_to_the_fused_path_and_says_so(monke
 
 @pytest.mark.parametrize("flat", [False, True])
 def test_foreach_level_runs_the_fused_path_on_the_cpu_and_says_so(monkeypatch, flat):
-    from fastoptim import levels
+    from fastoptim.engine import dispatch as levels
     from fastoptim.levels import record_paths
     monkeypatch.setattr(levels, "ROUTING", True)
     monkeypatch.setattr(levels, "_said", set())
@@ -305,7 +305,7 @@ def test_foreach_level_runs_the_fused_path_on_the_cpu_and_says_so(monkeypatch, f
 
 
 def test_routing_off_runs_each_level_on_its_own_path(monkeypatch):
-    from fastoptim import levels
+    from fastoptim.engine import dispatch as levels
     from fastoptim.levels import record_paths
     monkeypatch.setattr(levels, "ROUTING", False)
     params = [torch.nn.Parameter(torch.randn(8, 8)) for _ in range(4)]
@@ -328,7 +328,7 @@ def test_foreach_gathers_blocks_of_small_tensors_with_the_loop_levels_numbers(na
     """Many small CPU tensors run gathered into one tensor per role per cache block: the same elementwise
     math on the same values, so the same bits as the loop level; and the gathered path did run (for Muon,
     matrices of the same sizes)."""
-    from fastoptim.levels import foreach
+    from fastoptim.paths import foreach
     calls = []
     real = foreach._apply_gathered
     monkeypatch.setattr(foreach, "_apply_gathered", lambda *a: calls.append(len(a[1])) or real(*a))

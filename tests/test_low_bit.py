@@ -517,7 +517,7 @@ def test_the_compiled_level_on_the_cpu_runs_low_bit_state_through_the_fused_kern
     """Routing on (the library's default; the tests run with it off): the CPU kernel, with a warning; own
     paths: the compiled level itself, staged. The same numbers either way, within fp32 tolerance."""
     import warnings
-    from fastoptim import levels
+    from fastoptim.engine import dispatch as levels
 
     monkeypatch.setattr(levels, "ROUTING", True)
     results = {}

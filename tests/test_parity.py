@@ -418,7 +418,7 @@ def test_lion_levels_compute_the_fp32_published_loop_and_differ_from_float64_by_
 def test_cache_blocked_large_tensors_match_torch(name, level):
     """Tensors larger than a CPU block run piece by piece; contiguous, transposed and ragged sizes (for Muon,
     matrices of the same sizes)."""
-    from fastoptim.levels.blocking import BLOCK_NUMEL
+    from fastoptim.paths.blocking import BLOCK_NUMEL
     spec = OPTIMIZERS[name]
     opts = spec.option_sets[1]
     g = torch.Generator().manual_seed(5)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import fastoptim
-from fastoptim import levels
+from fastoptim.engine import dispatch as levels
 from fastoptim.levels import LEVELS
 from fastoptim.reference import ReferenceMuon
 from fastoptim.rules import muon as muon_rule

@@ -8,7 +8,8 @@ import torch
 
 import fastoptim
 from conftest import FLAT, assert_params_close, assert_state_close, clone_params, shapes_for
-from fastoptim import plan, storage
+from fastoptim import storage
+from fastoptim.engine import plan
 from fastoptim.levels import LEVELS, record_paths
 from fastoptim.registry import OPTIMIZERS
 from fastoptim.reference import reference_class, reference_kwargs
@@ -180,7 +181,7 @@ def test_a_param_that_misses_a_step_keeps_its_kernel_tables(monkeypatch):
     """On the Triton kernel (interpreted): the two buckets' tensor tables are built once, not every step."""
     pytest.importorskip("triton")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    from fastoptim.levels import triton_kernels as tk
+    from fastoptim.paths import triton_kernels as tk
     spec, ours, ours_p, ref, ref_p, g = _pair("adamw", "fused")
     _grads(g, ours_p, ref_p)
     ours.step()
@@ -441,7 +442,7 @@ RELAYOUTS = {
 def test_a_param_re_laid_at_the_same_address_steps_as_torch_does(monkeypatch, name, level, relayout, routing):
     """A square param transposed between steps keeps its address: the plan sees the new strides, so no
     cached layout decision (torch's fused CPU kernels take only contiguous tensors) outlives it."""
-    from fastoptim import levels
+    from fastoptim.engine import dispatch as levels
     monkeypatch.setattr(levels, "ROUTING", routing)
     spec, ours, ours_p, ref, ref_p, g = _pair(name, level, option=1, shapes=((6, 6), (4,)))
     for step in range(4):

@@ -28,7 +28,7 @@ import torch
 from conftest import (assert_state_close, clone_params, make_params, newton_schulz_in_bf16, param_atol,
                       set_grads)
 from fastoptim.levels import LEVELS, PATHS, record_paths
-from fastoptim.levels.stages import PER_TENSOR_PATHS
+from fastoptim.paths.stages import PER_TENSOR_PATHS
 from fastoptim.reference import reference_class
 from fastoptim.registry import OPTIMIZERS
 

@@ -15,7 +15,7 @@ pytest.importorskip("triton")
 from conftest import (ELEMENTWISE, ELEMENTWISE_CASES, assert_params_close, assert_state_close, clone_params, make_params,  # noqa: E402
                       set_grads)
 from fastoptim.levels import record_paths  # noqa: E402
-from fastoptim.levels import triton_kernels as tk  # noqa: E402
+from fastoptim.paths import triton_kernels as tk  # noqa: E402
 from fastoptim.registry import OPTIMIZERS  # noqa: E402
 
 # Kernel tests: the elementwise kernels run a rule's ``update``, which staged rules (Muon, Adafactor) do not have:
@@ -143,7 +143,7 @@ def test_kernel_unscales_and_skips_with_amp_tensors(interpret, name, index):
 
     ref_p = [p.clone() for p in params]
     ref_s = [None if s is None else [t.clone() for t in s] for s in states]
-    from fastoptim.levels import loop
+    from fastoptim.paths import loop
     loop.apply(rule.update, ref_p, grads, ref_s, scalars, flags)
 
     before = ([p.clone() for p in params], [None if s is None else [t.clone() for t in s] for s in states])

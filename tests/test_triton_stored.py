@@ -22,10 +22,12 @@ import torch
 pytest.importorskip("triton")
 
 import fastoptim  # noqa: E402
-from fastoptim import levels, storage  # noqa: E402
+from fastoptim import storage  # noqa: E402
+from fastoptim.engine import dispatch as levels  # noqa: E402
+from fastoptim.paths.triton import TRITON_STORED  # noqa: E402
 from fastoptim.storage import quant  # noqa: E402
 from fastoptim.levels import record_paths  # noqa: E402
-from fastoptim.levels import triton_stored as ts  # noqa: E402
+from fastoptim.paths import triton_stored as ts  # noqa: E402
 from conftest import ELEMENTWISE, ELEMENTWISE_CASES  # noqa: E402
 from fastoptim.registry import OPTIMIZERS  # noqa: E402
 
@@ -278,12 +280,12 @@ def test_thirty_tensors_of_three_shapes_in_one_launch(interpret):
 
 
 def test_stored_level_is_declared_for_the_fused_level_under_triton(interpret):
-    from fastoptim import levels
+    from fastoptim.engine import dispatch as levels
 
     cpu = torch.device("cpu")
-    assert levels.stored_level("fused", cpu) is levels.fused.run_stored_triton
-    assert levels.stored_level("auto", cpu) is levels.fused.run_stored_triton
-    assert levels.stored_level("loop", cpu) is None and levels.stored_level("compiled", cpu) is None
+    assert levels.stored_path("fused", cpu) is TRITON_STORED
+    assert levels.stored_path("auto", cpu) is TRITON_STORED
+    assert levels.stored_path("loop", cpu) is None and levels.stored_path("compiled", cpu) is None
 
 
 def test_the_table_is_rebuilt_only_when_an_address_changes(interpret):
@@ -416,12 +418,12 @@ def _staged():
     """The fused level with no stored-state path declared: every non-plain bucket runs staged (the plain
     Triton kernel on fp32 temporaries, the same IEEE arithmetic as the stored kernel, then torch's codec and
     ``storage.stochastic_round``)."""
-    real = levels.stored_level
-    levels.stored_level = lambda *args, **kwargs: None
+    real = levels.stored_path
+    levels.stored_path = lambda *args, **kwargs: None
     try:
         yield
     finally:
-        levels.stored_level = real
+        levels.stored_path = real
 
 
 @pytest.mark.parametrize("rounding", ("stochastic", "kahan"))

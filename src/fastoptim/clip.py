@@ -12,7 +12,7 @@ from typing import Iterable
 import torch
 from torch import Tensor
 
-from .levels import is_dtensor
+from .storage.state import is_dtensor
 
 
 def grad_norm(grads: list[Tensor], norm_type: float = 2.0) -> Tensor:

@@ -1,47 +1,32 @@
-"""FastOptimizer: torch.optim.Optimizer's surface, one rule's math, a level that runs it.
+"""FastOptimizer: torch.optim.Optimizer's surface over one rule's math; the engine runs it.
 
 A step validates every group and plans its buckets (``plan``: params of one device, dtype and step count,
 with their state tensors) before it touches anything, so bad hyper-parameters, sparse grads or a bad
-state tensor leave params and state as they were; then it commits the plan (new states in place, step
-counts advanced) and hands each bucket to the level with the host scalars of its step. The plan is
+state tensor leave params and state as they were; then it commits the plan (new states in place) and hands
+it to the dispatcher (``engine.dispatch``), which counts the step and runs each bucket on its paths. The plan is
 reused while nothing it was built from changes (``plan`` says what that is). ``state_dict()`` writes the
 step counters as torch.optim does (0-d float tensors) and ``load_state_dict`` reads both.
 
 With ``flat=True`` each group's params, grads and states live in one buffer per (device, dtype)
-(``flat.FlatBucket``) and a step is one pass over those buffers.
+(``engine.flat.FlatBucket``) and a step is one pass over those buffers.
 
-torch.amp.GradScaler: ``amp`` says when the step takes ``grad_scale``/``found_inf`` itself and what it does with them.
+torch.amp.GradScaler: ``engine.amp`` says when the step takes ``grad_scale``/``found_inf`` itself and what it does with them.
 """
 
 from __future__ import annotations
 
 import copy
-from functools import partial
 from typing import Any, Callable, Iterable
 
 import torch
 from torch import Tensor
 
-from . import amp, bulk, clip, levels, plan, storage
-from .flat import FlatBucket
-from .levels import Bucket, is_dtensor, sharded, stages
+from . import bulk, clip, storage
+from .engine import amp, dispatch, plan
+from .engine.flat import FlatBucket
+from .paths import sharded
 from .rules import Rule
-
-
-def _scalar_view(value):
-    return value.view(()) if isinstance(value, Tensor) and value.dim() else value
-
-
-def _hyper_view(group: dict) -> dict:
-    """The group with one-element tensor hyper-parameters of shape (1,) as 0-d views (torch.optim takes
-    both; the levels' scalar arithmetic wants 0-d). Views: a schedule writing the tensor in place is seen."""
-    if not any(_is_shaped(v) or isinstance(v, tuple) and any(map(_is_shaped, v)) for v in group.values()):
-        return group
-    return {k: tuple(map(_scalar_view, v)) if isinstance(v, tuple) else _scalar_view(v) for k, v in group.items()}
-
-
-def _is_shaped(value) -> bool:
-    return isinstance(value, Tensor) and value.dim() > 0
+from .storage.state import is_dtensor
 
 
 STEP_NOT_TRACEABLE = ("fastoptim's step and zero_grad run eagerly under torch.compile (a graph break): they call "
@@ -57,7 +42,7 @@ class FastOptimizer(torch.optim.Optimizer):
     def __init__(self, params: Iterable, impl: str = "auto", flat: bool = False,
                  max_grad_norm: float | None = None, state_bits: int = 32,
                  min_quant_size: int = storage.MIN_QUANT_SIZE, rounding: str = "nearest", **hyper: Any):
-        self.impl = levels.check_impl(impl)
+        self.impl = dispatch.check_impl(impl)
         self.flat = bool(flat)
         self.state_bits = storage.check_state_bits(state_bits)
         self.min_quant_size = storage.check_min_quant_size(min_quant_size)
@@ -108,7 +93,7 @@ class FastOptimizer(torch.optim.Optimizer):
 
     @property
     def _bucket_caches(self) -> dict[tuple, dict]:
-        """The levels' per-bucket caches of the current plans, by (group index, bucket index): for tests."""
+        """The paths' per-bucket caches of the current plans, by (group index, bucket index): for tests."""
         return {(i, b): bucket.cache for i, p in self._plans.items() for b, bucket in enumerate(p.buckets)}
 
     # --- param groups ---------------------------------------------------------------------------
@@ -226,18 +211,18 @@ class FastOptimizer(torch.optim.Optimizer):
         self._resolve_skips()
         work = [self._collect(index, group) for index, group in enumerate(self.param_groups)]  # validates
         plans = [self._plan(index, group, params) for index, (group, params, _) in enumerate(work)]
-        found_inf = getattr(self, "found_inf", None)
-        if found_inf is not None and not isinstance(found_inf, Tensor):  # GradScaler's sum over no grads: 0
-            found_inf = torch.tensor(float(found_inf))
-        in_kernel = (found_inf is not None and levels.skips_in_kernel(self.impl, found_inf.device)
-                     and not any(self.rule.for_group(group).stages for group, _, _ in work))
-        if found_inf is not None and not in_kernel and found_inf.item() != 0:
+        step_amp = dispatch.begin_step(self.impl, getattr(self, "found_inf", None),
+                                       [self.rule.for_group(group) for group, _, _ in work],
+                                       lambda: self._grad_mul(work))
+        if step_amp is None:
             return loss  # GradScaler saw inf/NaN grads: this step changes nothing
-        step_amp = amp.StepAmp(self._grad_mul(work), found_inf if in_kernel else None)
         for index, (step_plan, (group, _, grads)) in enumerate(zip(plans, work)):
             if step_plan is not None:
-                self._run_plan(index, step_plan, group, grads, step_amp)
-        if in_kernel:
+                self._commit(index, step_plan)
+                bits, _, rounding = self._storage_settings(group)
+                dispatch.run_plan(self.impl, self.rule.for_group(group), step_plan, group, grads, step_amp, bits,
+                                  rounding, self._entry_of)
+        if step_amp.found_inf is not None:
             self._pending_skips.append(step_amp.pending())
         return loss
 
@@ -265,58 +250,18 @@ class FastOptimizer(torch.optim.Optimizer):
         built.active = shape
         return built
 
-    def _run_plan(self, index: int, step_plan: plan.Plan, group: dict, grads: list[Tensor] | None,
-                  step_amp: amp.StepAmp) -> None:
-        if self._plans.get(index) is not step_plan:  # a new plan (its buckets' level caches start empty)
+    def _commit(self, index: int, step_plan: plan.Plan) -> None:
+        """A new plan's states put in place (its buckets' path caches start empty); kept for the next step."""
+        if self._plans.get(index) is not step_plan:
             step_plan.commit()
             if step_plan.reusable:
                 self._plans[index] = step_plan
             else:
                 self._plans.pop(index, None)
-        rule, run = self.rule.for_group(group), None
-        taken = step_plan.advance(rule, group)
-        if step_amp.found_inf is not None:
-            step_amp.taken.extend(taken)
-        group = _hyper_view(group)
-        flags = rule.flags(group)
-        extra = {} if step_amp.found_inf is None else {"found_inf": step_amp.found_inf}
-        bits, _, rounding = self._storage_settings(group)
-        for bucket in step_plan.buckets:
-            level_bucket = Bucket(bucket.params, bucket.grads(grads), bucket.states, bucket.cache,
-                                  bucket.owners if rule.stages and bucket.convert else None,
-                                  pools=bucket.head.pool_buffers() if bucket.head is not None else ())
-            run = run or (partial(stages.run, self.impl) if rule.stages else levels.level(self.impl, level_bucket.device))
-            rounded = storage.rounds_in_fp32(bucket.params[0].dtype, rounding)
-            if bucket.staged is None:  # plain formats are checked to be the param's dtype: never staged
-                bucket.staged = rounded or bits != 32 and storage.needs_staging(bucket.params, bucket.states)
-            grad_mul = step_amp.grad_mul
-            if bucket.staged and grad_mul is not None:  # fp32 temporaries step with an fp32 factor (the same value)
-                grad_mul = grad_mul.float()
-            args = (group, bucket.step, rule.scalars(group, bucket.step, *bucket.host_before),
-                    rule.bucket_flags(flags, bucket.params[0].dtype), grad_mul)
-            if not bucket.staged:
-                run(rule, level_bucket, *args, **extra)
-                continue
-            # 16/8/4-bit state, and 16-bit params rounded stochastically or with Kahan: loaded and stored in the
-            # kernel where the level declares it can; the rest through fp32 temporaries (``storage.run_staged``)
-            def entries(i, owners=bucket.owners):  # the state dict, optimizer index and param of the i-th param
-                return self._state[owners[i]], self._param_index(owners[i]), owners[i]
 
-            stored = None if rule.stages else levels.stored_level(self.impl, level_bucket.device,
-                                                                   rounding if rounded else "nearest")
-            if stored is not None:
-                rounds = {"rounding": rounding, "entries": entries} if rounded else {}
-                level_bucket = stored(rule, level_bucket, *args, **extra, **rounds)
-                if level_bucket is None:
-                    continue
-            storage.run_staged(lambda b: run(rule, b, *args), level_bucket, rounding=rounding, entries=entries,
-                               **extra)
-        # flat buffers and sharded params' local shards were written, not the params the user holds: each counts an
-        # in-place write, as torch.optim's step counts one (autograd then refuses a backward through a param changed
-        # since its forward)
-        for bucket in step_plan.buckets:
-            if bucket.flat_grad is not None or bucket.convert:
-                bulk.bump_versions(bucket.owners)
+    def _entry_of(self, p: Tensor) -> tuple[dict, int, Tensor]:
+        """The state dict, optimizer index and param of ``p`` (where a rounding keeps its own state)."""
+        return self._state[p], self._param_index(p), p
 
     def _grad_mul(self, work: list) -> Tensor | None:
         """What the update multiplies the grads by: GradScaler's 1/scale (as GradScaler.unscale_ computes it),
@@ -341,11 +286,7 @@ class FastOptimizer(torch.optim.Optimizer):
         """Steps the kernels skipped (found_inf) were counted optimistically; take them back now, reading
         the flag a step later, when the kernel that set it has long finished."""
         pending, self._pending_skips = self._pending_skips, []
-        for flag, done, taken in pending:
-            if done is not None:
-                done.synchronize()
-            if flag.item() != 0:
-                plan.take_back(self._state, taken)
+        dispatch.resolve_skips(pending, self._state)
 
     def _collect(self, index: int, group: dict) -> tuple[dict, list[Tensor], list[Tensor] | None]:
         """The params that step (those whose grad is not None, as in torch.optim) and their grads (in the param's

@@ -10,19 +10,18 @@ A state tensor is kept in a *format*:
     unsigned for states that are never negative (the rule's ``unsigned_states``: second moments, Adagrad's
     sum), signed otherwise.
 
-Every level runs on plain tensors. A bucket with state in another format runs *staged* (``run_staged``):
-each state is loaded into a temporary of the param's dtype (upcast, or dequantized), the level steps the
-temporaries exactly as it steps plain state, and each is stored back (rounded to nearest, or quantized).
-So every level, and torch's own fused kernels, give the numbers of the same math on the stored values.
-A level that loads and stores inside its own kernel says so in one place (``levels.stored_level``: today the
-fused level, on the CPU with ``levels.cpu_kernels`` and on CUDA with ``levels.triton_stored``) and skips the
-temporaries for the params it takes.
+Every path runs on plain tensors. A bucket with state in another format runs *staged* (``paths.staged``):
+each state is loaded into a temporary of the param's dtype (upcast, or dequantized) with ``load``, the path
+steps the temporaries exactly as it steps plain state, and each is stored back with ``store`` (rounded to
+nearest, or quantized). So every path, and torch's own fused kernels, give the numbers of the same math on the
+stored values. A path that loads and stores inside its own kernel (the CPU kernel, Triton on stored formats)
+says so to the dispatcher (``engine.dispatch``), which skips the temporaries for the params it takes.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -230,7 +229,7 @@ def nbytes(state: Any) -> int:
     return state.nbytes if isinstance(state, Tensor) else 0
 
 
-# --- the staged path: every level on non-plain state ---------------------------------------------------
+# --- the staged path's load and store (``paths.staged``) ---------------------------------------------------
 
 def load(state: Tensor | QuantizedState, p: Tensor) -> Tensor:
     """A temporary of the param's dtype holding the state's values."""
@@ -289,54 +288,6 @@ def kernel_signature(params: list[Tensor], grads: list[Tensor], states: list[lis
 
 def needs_staging(params: list[Tensor], states: list[list | None]) -> bool:
     return any(not is_plain(x, p) for s in states if s is not None for x, p in zip(s, params))
-
-
-def run_staged(run: Callable, bucket, *args, found_inf: Tensor | None = None, rounding: str = "nearest",
-               entries: Callable[[int], tuple[dict, int, Tensor]] | None = None, **kwargs) -> None:
-    """``run`` (a level) over ``bucket`` with every non-plain state loaded into a temporary of its param's
-    dtype, stored back afterwards. A step GradScaler skips is never stored: quantizing dequantized values
-    need not give the same codes back. ``found_inf`` is read here (one sync, for staged buckets only).
-
-    With ``rounds_in_fp32(dtype, rounding)`` (bf16/fp16 params, stochastic or Kahan rounding), and for bf16/fp16
-    params with states kept at another width, the params, grads and every state step as fp32 temporaries instead: the rule's math in fp32, then each state stored in
-    its format and each param rounded back by ``rounding``. ``entries(i)`` gives the state dict of the
-    bucket's ``i``-th param, its index in the optimizer and the param itself (a DTensor where the bucket holds
-    its local shard): the rounding keeps its own state there (``KAHAN``, ``RNG``), made on first use."""
-    if found_inf is not None and found_inf.item() != 0:
-        return
-    from ..levels import Bucket
-
-    # 16-bit params step in fp32 where they are rounded by other means, or where a state is kept at another
-    # width than theirs (its values are not rounded to the param's dtype on the way: one rounding, at the end)
-    dtype = bucket.params[0].dtype
-    fp32 = rounds_in_fp32(dtype, rounding) or (dtype in LOW_PRECISION_PARAMS
-                                               and needs_staging(bucket.params, bucket.states))
-    params, grads = bucket.params, bucket.grads
-    if fp32:
-        owners = [entries(i) if rounding != "nearest" else (None, None, p) for i, p in enumerate(params)]
-        own = [rounding_state(entry, index, owner, rounding) for entry, index, owner in owners]
-        params = [p.float() if rounding != "kahan" else p.float() + comp.float() for p, comp in zip(params, own)]
-        grads = [g.float() for g in grads]
-    staged, states = [], []
-    for lst in bucket.states:
-        if lst is None:
-            states.append(None)
-            continue
-        temps = []
-        for state, temp_p in zip(lst, params):
-            if is_plain(state, temp_p):
-                temps.append(state)
-            else:
-                temp = load(state, temp_p)
-                staged.append((state, temp))
-                temps.append(temp)
-        states.append(temps)
-    run(Bucket(params, grads, states, bucket.cache.setdefault("staged", {}), bucket.sharded), *args, **kwargs)
-    for state, temp in staged:
-        store(state, temp)
-    if fp32:
-        for p, new, state, (_, _, owner) in zip(bucket.params, params, own, owners):
-            round_into(p, new, state, rounding, owner)
 
 
 def rounding_state(entry: dict | None, index: int | None, param: Tensor, rounding: str) -> Tensor | None:

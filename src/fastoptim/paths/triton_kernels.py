@@ -43,7 +43,7 @@ import triton.language as tl
 from torch import Tensor
 from triton.runtime.jit import JITFunction
 
-from . import pack_scalars, took
+from .base import pack_scalars, took
 
 CHUNK = 1 << 16
 BLOCK = 1024

@@ -23,7 +23,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from . import is_dtensor
+from ..storage.state import is_dtensor
 
 
 def shard_dim0(owner) -> bool:

@@ -11,7 +11,7 @@
 
 On sharded params (FSDP2) a per-tensor stage runs each whole tensor on one rank (``sharded``).
 
-Grads are scaled (GradScaler, clipping) once, into temporaries, before the first stage. Scratch tensors live in
+Grads are scaled (GradScaler, clipping) once, into temporaries, by the dispatcher before the first stage. Scratch tensors live in
 the bucket's cache (the step plan makes a new bucket, and cache, whenever a param's layout changes), one buffer
 per shape group: a per-tensor stage takes a group's scratch as it is, with no stacking copy.
 """
@@ -25,12 +25,14 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from . import Bucket, level, pack_scalars, scaled_grads, sharded, took
+from . import sharded
+from .base import Bucket, Path, StepContext, pack_scalars, took
 
 
 class StageRule:
-    """An ``Elementwise`` stage seen by a level as an elementwise rule of its own."""
+    """An ``Elementwise`` stage seen by a path as an elementwise rule of its own."""
     torch_fused = None
+    stages = ()
 
     def __init__(self, rule, index: int, stage):
         self.name = f"{rule.name}_stage{index}"
@@ -62,24 +64,31 @@ def _scratch(bucket: Bucket, names: tuple[str, ...]) -> tuple[dict[str, list[Ten
     return made
 
 
-def run(impl: str, rule, bucket: Bucket, group: dict, step: int, scalars: tuple, flags: tuple,
-        grad_mul=None) -> None:
-    """One step of the staged ``rule`` over ``bucket`` on level ``impl``."""
-    params = bucket.params
-    tensors: dict[str, list | None] = {"param": params, "grad": scaled_grads(bucket.grads, grad_mul)}
-    tensors.update(zip(rule.state_names, bucket.states))
-    scratch, stacked = _scratch(bucket, rule.scratch)
-    tensors.update(scratch)
-    for index, stage in enumerate(rule.stages):
-        if hasattr(stage, "update"):
-            lists = [tensors[name] for name in stage.tensors]
-            part = Bucket(params, tensors["grad"], lists, bucket.cache.setdefault(("stage", index), {}))
-            level(impl, bucket.device)(stage_rule(rule, index), part, group, step, scalars, flags)
-        elif bucket.sharded is not None:
-            sharded.per_tensor(impl, stage, tensors, scalars, flags, bucket.sharded,
-                               lambda *args: _per_tensor(*args[:3], {}, *args[3:]))  # (gathered: no scratch buffer)
-        else:
-            _per_tensor(impl, stage, tensors, stacked, scalars, flags)
+class Stages(Path):
+    """One step of a staged rule over a bucket at the level ``ctx.impl``; the dispatcher hands it scaled grads."""
+    name = "stages"
+    records = False  # each per-tensor stage reports itself, each elementwise stage through its own path
+
+    def run(self, part: Bucket, ctx: StepContext) -> None:
+        rule, impl, scalars, flags = ctx.rule, ctx.impl, ctx.scalars, ctx.flags
+        params = part.params
+        tensors: dict[str, list | None] = {"param": params, "grad": part.grads}
+        tensors.update(zip(rule.state_names, part.states))
+        scratch, stacked = _scratch(part, rule.scratch)
+        tensors.update(scratch)
+        for index, stage in enumerate(rule.stages):
+            if hasattr(stage, "update"):
+                lists = [tensors[name] for name in stage.tensors]
+                one = Bucket(params, tensors["grad"], lists, part.cache.setdefault(("stage", index), {}))
+                ctx.run_plain(one, ctx.but(rule=stage_rule(rule, index), grad_mul=None))
+            elif part.sharded is not None:
+                sharded.per_tensor(impl, stage, tensors, scalars, flags, part.sharded,
+                                   lambda *args: _per_tensor(*args[:3], {}, *args[3:]))  # (gathered: no scratch)
+            else:
+                _per_tensor(impl, stage, tensors, stacked, scalars, flags)
+
+
+STAGES = Stages()
 
 
 def shape_groups(tensors: dict[str, list | None], names: tuple[str, ...]) -> list[list[int]]:
@@ -92,8 +101,7 @@ def shape_groups(tensors: dict[str, list | None], names: tuple[str, ...]) -> lis
 
 
 # tensors of at most this many elements are stacked for a batched call; larger ones (unless already one buffer)
-# step one at a time: a copy of each costs more than the call it saves (Adafactor on gpt 25M: 169 ms/step
-# stacked, against 101 one at a time)
+# step one at a time: a copy of each costs more than the call it saves
 STACK_MAX_NUMEL = 1 << 16
 
 

@@ -6,7 +6,7 @@ from typing import Callable, Sequence
 
 from torch import Tensor
 
-from . import Bucket, scaled_grads, took
+from .base import Bucket, Path, StepContext
 from .blocking import BLOCK_NUMEL, _pieces
 
 
@@ -24,6 +24,12 @@ def apply(update: Callable, params: list[Tensor], grads: list[Tensor], states: S
                     s.copy_(new)
 
 
-def run(rule, bucket: Bucket, group: dict, step: int, scalars: tuple, flags: tuple, grad_mul=None) -> None:
-    took("loop")
-    apply(rule.update, bucket.params, scaled_grads(bucket.grads, grad_mul), bucket.states, scalars, flags)
+class Loop(Path):
+    """The reference: one tensor at a time (cache-sized pieces on the CPU)."""
+    name = "loop"
+
+    def run(self, part: Bucket, ctx: StepContext) -> None:
+        apply(ctx.rule.update, part.params, part.grads, part.states, ctx.scalars, ctx.flags)
+
+
+LOOP = Loop()

@@ -12,7 +12,7 @@ from typing import Callable, Sequence
 import torch
 from torch import Tensor
 
-from . import Bucket, scaled_grads, took
+from .base import Bucket, Path, StepContext
 from .blocking import blocks
 
 # a CPU block of at least this many tensors runs gathered into one tensor per role (``_apply_gathered``)
@@ -96,6 +96,12 @@ def _apply_gathered(update: Callable, ps: list[Tensor], gs: list[Tensor], ss: Se
             torch._foreach_copy_(targets, unflatten(new, targets))
 
 
-def run(rule, bucket: Bucket, group: dict, step: int, scalars: tuple, flags: tuple, grad_mul=None) -> None:
-    took("foreach")
-    apply(rule.update, bucket.params, scaled_grads(bucket.grads, grad_mul), bucket.states, scalars, flags)
+class Foreach(Path):
+    """Whole tensor lists through ``torch._foreach_*`` kernels (cache-blocked, and gathered, on the CPU)."""
+    name = "foreach"
+
+    def run(self, part: Bucket, ctx: StepContext) -> None:
+        apply(ctx.rule.update, part.params, part.grads, part.states, ctx.scalars, ctx.flags)
+
+
+FOREACH = Foreach()

@@ -30,19 +30,15 @@ import torch
 from torch import Tensor
 from torch.utils.dlpack import to_dlpack
 
-from . import storage
-from .bulk import all_set_to, layouts, set_to as same_layout, with_grads
+from .. import storage
+from ..bulk import all_set_to, layouts, set_to as same_layout, with_grads
+from ..paths.base import GradViews
 
 
 def alias(buffer: Tensor, start: int, shape: torch.Size) -> Tensor:
     """``buffer[start:start + n].view(shape)`` with a storage of its own: it starts at the view's first byte,
     holds exactly its bytes, writes through to the buffer and keeps the buffer alive (DLPack's deleter)."""
     return torch.from_dlpack(to_dlpack(buffer[start:start + math.prod(shape)].view(shape)))
-
-
-class GradViews(list):
-    """Grad views of a flat buffer, one list object for as long as they stay the same views (a level may keep
-    what it worked out from them while it gets this very object; holding it keeps nothing else alive)."""
 
 
 @torch.compiler.disable  # a backward run from a compiled function would trace it, once per param (index guards)

@@ -28,7 +28,7 @@ keeps them, in one launch per bucket (and state formats) and one pass over memor
 
 What it takes (``signature``): contiguous params and grads of one shape, fp32 (bf16 when rounded
 stochastically or with Kahan), every active state bf16 or a ``QuantizedState`` (not sharded), all of one
-width. The rest runs staged (``storage.run_staged``).
+width. The rest runs staged (``paths.staged``).
 
 HBM traffic per param, on paper (the whole-rows branch; the map and the encoder's table are gathered
 from L1/L2): AdamW fp32 params, 8-bit states: p 4 + 4, g 4, two codes 1 + 1 each, absmax 2 x (4 + 4) / 256:
@@ -45,7 +45,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from . import pack_scalars, took
+from .base import pack_scalars, took
 from .triton_kernels import ALIGN, NUM_WARPS, _exec_source, _jit, interpreting, triton_twin
 from .. import storage
 from ..storage import Format, quant
@@ -240,7 +240,7 @@ def _body(formats: Sequence[Format | None], n_scalars: int, n_flags: int, whole:
     if rounding != "nearest":  # bf16 bits widened exactly
         lines += [f"{x} = (tl.load({x}_ptr + offs, mask=mask, other=0).to(tl.int32) << 16)"
                   f".to(tl.float32, bitcast=True)" for x in ("p", "g")]
-        if rounding == "kahan":  # the param as the compensated sum (``storage.run_staged``)
+        if rounding == "kahan":  # the param as the compensated sum (``paths.staged``)
             lines += ["p = p + (tl.load(comp_ptr + offs, mask=mask, other=0).to(tl.int32) << 16)"
                       ".to(tl.float32, bitcast=True)"]
     else:

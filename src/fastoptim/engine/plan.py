@@ -1,13 +1,13 @@
 """The step plan: which params step together, on which state tensors, at which step count.
 
-A step hands each *bucket* (params of one device, dtype and step count) to a level. Working the buckets
+A step hands each *bucket* (params of one device, dtype and step count) to the dispatcher. Working the buckets
 out costs Python work per param, so a group's plan is kept from one step to the next and reused while
 nothing it was built from has changed. This module owns that cache and the step counters.
 
 What a plan caches (one per param group):
   * the params that had a grad, in the order the group lists them, and their buckets;
   * per bucket: the params' state dicts and state tensors (in flat mode, the flat buffers that every
-    param's state is a view of), its step count, and the level's own cache (the fused level's table);
+    param's state is a view of), its step count, and the paths' own cache (a kernel's table);
   * the state mapping it was built from, and that mapping's ``version``.
 
 What makes it stale, checked at every step before anything runs:
@@ -43,9 +43,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from . import bulk, storage
+from .. import bulk, storage
 from .flat import FlatBucket, same_layout
-from .levels import is_dtensor
+from ..storage.state import is_dtensor
 from .state_map import StateDict, StateMap, as_state_map, quiet_set  # noqa: F401 (optimizer.state, counting)
 
 
@@ -55,7 +55,7 @@ from .state_map import StateDict, StateMap, as_state_map, quiet_set  # noqa: F40
 class PlanBucket:
     key: tuple                         # (device, dtype)
     step: int                          # the count its params are at before the next step
-    params: list[Tensor]               # what the level runs on (a flat buffer, local or real views)
+    params: list[Tensor]               # what the paths run on (a flat buffer, local or real views)
     states: list[list[Tensor] | None]  # per rule.state_names, None where inactive
     owners: list[Tensor]               # the user's params whose state this bucket steps
     positions: list[int] | None        # where its params sit among the group's params with grads; None: all
@@ -63,8 +63,8 @@ class PlanBucket:
     head: FlatBucket | None = None     # flat mode: the bucket is the params kept apart at the buffer's head
     convert: bool = False              # grads need the same view as params (DTensor local, complex real)
     dicts: list = field(default_factory=list)  # the owners' state dicts (None: no state), set at commit
-    cache: dict = field(default_factory=dict)  # the level's own (the fused level's tensor table)
-    staged: bool | None = None         # some state is not plain (``storage.run_staged``); None: not yet known
+    cache: dict = field(default_factory=dict)  # the paths' own (a kernel's tensor table)
+    staged: bool | None = None         # some state is not plain (``paths.staged``); None: not yet known
     host: tuple = ()                   # the rule's ``host_states`` before the next step, the same for every param
     host_before: tuple = ()            # ... and before the step being run (what ``rule.scalars`` gets)
 
@@ -248,7 +248,7 @@ def _count(state: dict | None, exports_step: bool) -> int:
 
 
 def _check_state_tensor(value: Any, p: Tensor, name: str, index: int, shape: tuple | None = None) -> None:
-    """A state tensor the level can run on: the param's dtype and device, and its shape (or ``shape``)."""
+    """A state tensor the paths can run on: the param's dtype and device, and its shape (or ``shape``)."""
     if not isinstance(value, Tensor):
         raise TypeError(f"state {name!r} of param {index} must be a tensor, got {type(value).__name__}")
     shape = tuple(p.shape) if shape is None else shape

@@ -13,43 +13,20 @@ are still honoured on every level (the flag is then read on the host first).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
-import torch
-from torch import Tensor
-
-from . import levels
-
-
-@dataclass
-class StepAmp:
-    """What this step multiplies the grads by, and GradScaler's found_inf when the kernels skip by themselves."""
-    grad_mul: Tensor | None
-    found_inf: Tensor | None
-    taken: list = field(default_factory=list)  # what plan.take_back needs if the kernels skipped the step
-
-    def pending(self) -> tuple:
-        """The flag copied to host memory without waiting, and an event that says when it is there."""
-        if self.found_inf.device.type == "cuda":
-            flag = torch.empty((), dtype=self.found_inf.dtype, pin_memory=True)
-            flag.copy_(self.found_inf, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record()
-            return flag, done, self.taken
-        return self.found_inf.clone(), None, self.taken
+from . import dispatch
 
 
 def scales_in_kernel(opt) -> bool:
     """GradScaler's question (``_step_supports_amp_scaling``): may it hand ``opt.step`` grad_scale/found_inf
     instead of unscaling the grads itself? Only where every param steps in a kernel that reads found_inf on the
-    device (``levels.skips_in_kernel``); elsewhere the flag would be read on the host anyway (on the CPU that
+    device (``dispatch.skips_in_kernel``); elsewhere the flag would be read on the host anyway (on the CPU that
     costs nothing), and claiming it makes Lightning refuse gradient clipping and accelerate count a skipped step
     as taken. Asked at every GradScaler step, so params moved to another device are seen."""
-    if not levels.may_skip_in_kernel(opt.impl):
+    if not dispatch.may_skip_in_kernel(opt.impl):
         return False
     devices = set()
     for group in opt.param_groups:  # per-tensor stages and stochastic rounding read found_inf on the host
         if opt.rule.for_group(group).stages or opt._storage_settings(group)[2] == "stochastic":
             return False
         devices.update(p.device for p in group["params"])
-    return bool(devices) and all(levels.skips_in_kernel(opt.impl, d) for d in devices)
+    return bool(devices) and all(dispatch.skips_in_kernel(opt.impl, d) for d in devices)

@@ -1,0 +1,170 @@
+"""What every path shares: the bucket it runs on, the step context, the ``Path`` interface and ``record_paths``.
+
+A *path* is one way a bucket can run (the loop, foreach, compiled, torch's fused kernel, the CPU kernel, Triton,
+Triton on stored formats, staged, per-tensor stages). It declares which params of a bucket it takes
+(``Path.takes``) and what it does itself (reads found_inf, applies the grad multiplier, counts its writes); it
+runs those params with one ``StepContext`` (``Path.run``). Which path runs which params is decided in one place,
+the dispatcher (``fastoptim.engine.dispatch``), which also does what a path declares it does not.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Any, Callable, Iterator
+
+import torch
+from torch import Tensor
+
+from ..storage.state import is_dtensor  # noqa: F401 (the paths' import of it)
+
+
+@dataclass
+class Bucket:
+    params: list[Tensor]
+    grads: list[Tensor]
+    states: list[list[Tensor] | None]  # one list per rule.state_names entry, None where inactive
+    cache: dict = field(default_factory=dict)  # survives across steps: tensor tables, compiled fns
+    # the DTensors whose local shards ``params`` are (None: every param is whole here): per-tensor stages gather
+    # each whole tensor on one rank (``sharded``); elementwise math runs on the shards as they are
+    sharded: list | None = None
+    # flat mode's buffers that many of the states are views of (``storage.pooled``): a kernel's table watches each
+    # such storage once (they move whole), every other state tensor on its own
+    pools: tuple = ()
+
+    @property
+    def device(self) -> torch.device:
+        return self.params[0].device
+
+
+class GradViews(list):
+    """Grad views of a flat buffer, one list object for as long as they stay the same views (a path may keep
+    what it worked out from them while it gets this very object; holding it keeps nothing else alive)."""
+
+
+def subset(bucket: Bucket, indices: list[int], cache: dict | None = None) -> Bucket:
+    """The params at ``indices`` of ``bucket``, with their grads and states; ``cache``: one that lives as long as
+    ``bucket.cache`` and was made for these very indices (else the subset's cache starts empty). It keeps the
+    subset's params and states too: they are fixed while the bucket's cache lives (only grads are new each step)."""
+    if cache is None:
+        return Bucket([bucket.params[i] for i in indices], [bucket.grads[i] for i in indices],
+                      [None if s is None else [s[i] for i in indices] for s in bucket.states], {}, pools=bucket.pools)
+    members = cache.get("subset_members")
+    if members is None:
+        members = cache["subset_members"] = ([bucket.params[i] for i in indices],
+                                             [None if s is None else [s[i] for i in indices] for s in bucket.states])
+    return Bucket(members[0], [bucket.grads[i] for i in indices], members[1], cache, pools=bucket.pools)
+
+
+@dataclass
+class StepContext:
+    """One bucket's step, as every path gets it."""
+    impl: str                           # the level the user picked ("auto", "loop", ...)
+    rule: Any
+    group: dict
+    step: int
+    scalars: tuple                      # ``rule.scalars(...)``: the update's host scalars, in its order
+    flags: tuple                        # ``rule.bucket_flags(...)``
+    grad_mul: Tensor | None = None      # what grads are multiplied by (1/scale times the clip factor)
+    found_inf: Tensor | None = None     # GradScaler's flag, only where paths may read it in their kernels
+    rounding: str = "nearest"           # how 16-bit params step through fp32 ("nearest": as the path does)
+    entries: Callable | None = None     # i -> (state dict, optimizer index, param) of the bucket's i-th param
+    run_plain: Callable | None = None   # (bucket, ctx) -> None: the dispatcher's route for plain-state buckets
+    inf_read: bool | None = None        # found_inf as the dispatcher read it on the host (once per bucket)
+
+    def but(self, **changes) -> StepContext:
+        return dataclasses.replace(self, **changes)
+
+
+class Path:
+    """One way a bucket can run. Class attributes declare what it does itself; the dispatcher does the rest."""
+    name = ""                 # what ``record_paths`` reports
+    records = True            # False: it reports itself (once per kernel launch, or per stage)
+    takes_grad_mul = False    # it multiplies grads inside its kernel (else it gets scaled grads, and no multiplier)
+    counted = True            # its writes count as in-place writes to autograd (else the dispatcher bumps versions)
+    fallible = False          # it may fail to build: the dispatcher then runs its params on the next path
+    stable_split = False      # what it takes follows from the bucket (and its grads' layouts): its parts keep caches
+
+    def skips_in_kernel(self, ctx: StepContext) -> bool:
+        """Whether it reads ``ctx.found_inf`` on the device (else the dispatcher reads it on the host first)."""
+        return False
+
+    def takes(self, bucket: Bucket, ctx: StepContext) -> list[int] | None:
+        """The indices of the params it runs; None: all of them."""
+        return None
+
+    def run(self, part: Bucket, ctx: StepContext) -> list[int] | None:
+        """One step over ``part``; returns the indices (in ``part``) of params it left after all, or None."""
+        raise NotImplementedError
+
+
+# --- which path ran: tests of a fast path assert that it ran -------------------------------------------
+
+PATHS = ("loop", "foreach", "compiled", "triton", "triton_stored", "torch_fused", "cpu_kernel",
+         "stage_loop", "stage_batched", "stage_compiled")  # (the last three: per-tensor stages, ``stages``)
+_path_log: list[str] | None = None
+
+
+@contextmanager
+def record_paths() -> Iterator[list[str]]:
+    """Collect the name of every path the dispatcher runs while the block runs (one entry per bucket run;
+    a bucket split between two paths gives both). Costs one global read per bucket when not recording."""
+    global _path_log
+    outer, _path_log = _path_log, []
+    try:
+        yield _path_log
+    finally:
+        _path_log = outer
+
+
+def took(path: str) -> None:
+    if _path_log is not None:
+        _path_log.append(path)
+
+
+def scaled_grads(grads: list[Tensor], grad_mul: Tensor | None) -> list[Tensor]:
+    """Grads times ``grad_mul``, as new tensors (the user's ``.grad`` stays as it is)."""
+    if grad_mul is None:
+        return grads
+    return torch._foreach_mul(grads, grad_mul)
+
+
+def pack_scalars(scalars: tuple, device: torch.device, dtype: torch.dtype = torch.float32) -> Tensor:
+    """The step's scalars as one tensor on ``device`` (float32; float64 for float64 buckets, so they keep
+    their precision); tensor-valued ones (an lr kept on the device) are gathered there without a trip
+    through the host."""
+    if not any(isinstance(s, Tensor) for s in scalars):
+        return torch.tensor(scalars, dtype=dtype).to(device, non_blocking=True)
+    return torch.stack([torch.as_tensor(s, dtype=dtype, device=device).reshape(()) for s in scalars])
+
+
+@lru_cache(maxsize=None)
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def uses_triton(device: torch.device) -> bool:
+    """Whether the fused level runs its Triton kernel here: CUDA tensors, or CPU tensors while Triton's
+    interpreter is on (``TRITON_INTERPRET=1``, how the kernels are tested without a GPU)."""
+    wanted = device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+    return wanted and triton_available()
+
+
+_LIBRARY_DIRS = (os.path.dirname(os.path.dirname(__file__)), os.path.dirname(torch.__file__))
+
+
+def caller_stacklevel() -> int:
+    """The ``stacklevel`` that points a warning at the first frame outside fastoptim and torch (the user's
+    ``opt.step()``), however deep inside the step it is raised."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(_LIBRARY_DIRS):
+        frame, level = frame.f_back, level + 1
+    return level

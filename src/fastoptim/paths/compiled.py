@@ -1,0 +1,92 @@
+"""The compiled level: ``torch.compile`` of the rule, one in-place kernel per tensor shape class.
+
+The compiled function applies the rule and copies the results into the param and state tensors
+inside the graph, so Inductor writes them in place: one pass over memory. Hyper-parameters travel as
+one float32 tensor (``scalars``), unbound inside the graph, so a schedule changing lr or betas every
+step never recompiles; the FLAGS (fixed for a run) are baked into one compiled function per
+combination. Contiguous tensors go in as 1-D views with dynamic sizes, so one compiled kernel serves
+every param of a bucket.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from . import loop
+from .base import Bucket, Path, StepContext, pack_scalars, scaled_grads
+
+# Buckets of tensors this small on average are not compiled (the dispatcher routes them): one compiled call per
+# tensor costs more than it saves, and every new shape class compiles anew. Flat buffers are one large tensor.
+MIN_MEAN_NUMEL = 1 << 14
+
+
+def mean_numel(bucket: Bucket) -> float:
+    return sum(p.numel() for p in bucket.params) / len(bucket.params)
+
+
+def _in_place(update: Callable, flags: tuple, has_grad_mul: bool) -> Callable:
+    def step(p: Tensor, g: Tensor, states: list, scalars: Tensor) -> None:
+        values = scalars.unbind(0)
+        if has_grad_mul:  # the grad multiplier rides last in ``scalars``
+            g = g * values[-1]
+            values = values[:-1]
+        out = update(p, g, *states, *values, *flags)
+        p.copy_(out[0])
+        for s, new in zip(states, out[1:]):
+            if s is not None:
+                s.copy_(new)
+    # a code object of its own: torch.compile keeps its cache (and its recompile limit) per code object
+    step.__code__ = step.__code__.replace(co_name=f"{update.__name__}_step")
+    return step
+
+
+def _flat(t: Tensor) -> Tensor:
+    """A 1-D alias that is not a view and does not require grad: torch.compile guards on a view's base
+    layout and on requires_grad, which would otherwise make each param shape its own compile."""
+    return t.view(-1).detach()
+
+
+@lru_cache(maxsize=None)
+def compiled_step(update: Callable, flags: tuple, dtype: torch.dtype, has_grad_mul: bool) -> Callable:
+    """One compiled function per rule, FLAGS and dtype: its only variants are the size-1 specialisation
+    and the dynamic size, well inside torch.compile's recompile limit."""
+    return torch.compile(_in_place(update, flags, has_grad_mul), dynamic=True, fullgraph=True)
+
+
+class Compiled(Path):
+    """The rule compiled by Inductor, one in-place call per tensor (strided tensors eagerly, one at a time).
+    ``fallible``: where the fused level compiles on the CPU, a rule that fails to compile runs elsewhere."""
+    name = "compiled"
+    takes_grad_mul = True
+
+    def __init__(self, fallible: bool = False):
+        self.fallible = fallible
+
+    def run(self, part: Bucket, ctx: StepContext) -> None:
+        grad_mul, scalars, flags = ctx.grad_mul, ctx.scalars, ctx.flags
+        dtype = part.params[0].dtype
+        fn = compiled_step(ctx.rule.update, tuple(flags), dtype, grad_mul is not None)
+        scalars_t = pack_scalars(scalars if grad_mul is None else (*scalars, grad_mul), part.device,
+                                 torch.float64 if dtype == torch.float64 else torch.float32)
+        grads = part.grads
+        strided = []  # non-contiguous tensors: each layout would be a recompile; they run eagerly instead
+        for i, (p, g) in enumerate(zip(part.params, grads)):
+            states = [None if s is None else s[i] for s in part.states]
+            if p.numel() == 0:
+                continue
+            if not all(t is None or t.is_contiguous() for t in (p, g, *states)):
+                strided.append(i)
+                continue
+            fn(_flat(p), _flat(g), [None if s is None else _flat(s) for s in states], scalars_t)
+        if strided:
+            grads = scaled_grads([grads[i] for i in strided], grad_mul)
+            loop.apply(ctx.rule.update, [part.params[i] for i in strided], grads,
+                       [None if s is None else [s[i] for i in strided] for s in part.states], scalars, flags)
+
+
+COMPILED = Compiled()
+COMPILED_OR_NEXT = Compiled(fallible=True)  # the fused level's CPU path: a rule that will not compile runs foreach

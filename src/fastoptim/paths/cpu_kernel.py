@@ -1,0 +1,96 @@
+"""The CPU kernel for 16/8/4-bit state: the rule's C++ twin loads, updates and stores each state in one pass
+(``fastoptim.levels.cpu_kernels``), the fused level's path for stored state on the CPU. It takes fp32 params
+whose grads are fp32 and contiguous and whose active states are all bf16, or all 8-bit, or all 4-bit (laid out
+as the codec lays them out); the dispatcher runs the rest staged, as on every other level."""
+
+from __future__ import annotations
+
+import operator
+import warnings
+
+import torch
+from torch import Tensor
+
+from ..levels import cpu_kernels
+from .base import Bucket, GradViews, Path, StepContext, caller_stacklevel, pack_scalars, subset, took
+
+_kernel_warned: set = set()
+_dtype = operator.attrgetter("dtype")
+
+
+def _warn_staged(why: str) -> None:
+    if why not in _kernel_warned:
+        _kernel_warned.add(why)
+        warnings.warn(f"fastoptim: 16/8/4-bit state runs staged on the CPU (slower, the same math): {why}",
+                      RuntimeWarning, stacklevel=caller_stacklevel())
+
+
+def _grads_seen(grads: list[Tensor]) -> list[tuple]:
+    return list(zip(map(_dtype, grads), map(Tensor.is_contiguous, grads)))
+
+
+class CpuKernel(Path):
+    """Which params it takes, and its tables, are worked out once per bucket (its params and states are fixed
+    while the step plan holds it) and again when a grad's dtype or contiguity changes (new grads each step may
+    differ: torch takes a grad of another dtype where ``p.grad_dtype`` allows it) or a state's storage moved in
+    place. Flat mode's grad views come as one list (``FlatBucket.head_grads``) that holds the same tensors for as
+    long as it is the same list object; other grads are the user's, new each step, and only their layouts are
+    kept (holding the list would keep last step's grads alive)."""
+    name = "cpu_kernel"
+    records = False  # one entry per kernel run (a part whose kernel will not build runs staged)
+    takes_grad_mul = True
+    counted = False
+    stable_split = True
+
+    def takes(self, bucket: Bucket, ctx: StepContext) -> list[int] | None:
+        why = cpu_kernels.available()
+        if why is not None:
+            _warn_staged(why)
+            return []
+        seen = bucket.cache.get("cpu_kernel_takes")
+        same_grads = seen is not None and seen[2] is bucket.grads
+        grads_seen = None if same_grads else _grads_seen(bucket.grads)
+        if seen is None or not same_grads and seen[0] != grads_seen:
+            n = len(bucket.params)
+            taken = [i for i in range(n) if cpu_kernels.signature(bucket.params, bucket.grads, bucket.states, i)]
+            seen = (grads_seen, None if len(taken) == n else taken)
+        bucket.cache["cpu_kernel_takes"] = (seen[0], seen[1],
+                                            bucket.grads if isinstance(bucket.grads, GradViews) else None)
+        return seen[1]
+
+    def run(self, part: Bucket, ctx: StepContext) -> list[int] | None:
+        cached = part.cache.get("cpu_kernel")
+        if cached is not None and any(table.states_moved() for table, _ in cached[1]):
+            cached = None
+        same_grads = cached is not None and cached[3] is part.grads
+        grads_seen = None if same_grads else _grads_seen(part.grads)
+        if cached is None or not same_grads and cached[0] != grads_seen:
+            by_formats: dict[tuple, list[int]] = {}
+            rest = []
+            for i in range(len(part.params)):
+                formats = cpu_kernels.signature(part.params, part.grads, part.states, i)
+                (rest if formats is None else by_formats.setdefault(formats, [])).append(i)
+            tables = []
+            for formats, indices in by_formats.items():
+                one = subset(part, indices)
+                tables.append((cpu_kernels.Table(one.params, one.grads, one.states, formats, part.pools), indices))
+            cached = (grads_seen, tables, rest, None)
+        part.cache["cpu_kernel"] = cached = cached[:3] + (part.grads if isinstance(part.grads, GradViews) else None,)
+        _, tables, rest, _ = cached
+        packed = pack_scalars(ctx.scalars, part.device)
+        mul = None if ctx.grad_mul is None else ctx.grad_mul.to(part.device, torch.float32).reshape(())
+        failed = list(rest)
+        for table, indices in tables:
+            if not same_grads:
+                table.point_at([part.grads[i] for i in indices])
+            try:
+                cpu_kernels.run(ctx.rule.update, table, packed, ctx.flags, mul)
+            except cpu_kernels.KernelUnavailable as e:  # this kernel would not build: its params run staged
+                _warn_staged(str(e))
+                failed += indices
+                continue
+            took("cpu_kernel")
+        return sorted(failed) or None
+
+
+CPU_KERNEL = CpuKernel()
