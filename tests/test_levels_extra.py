@@ -195,14 +195,8 @@ def test_flat_sgd_loads_torch_state_with_first_step_semantics(saved_steps):
     assert_params_close(ours_p, ref_p)
 
 
-TENSOR_HYPER = {"sgd": ("lr", "momentum"), "adam": ("lr", "betas"), "adamw": ("lr", "betas"),
-                "rmsprop": ("lr", "momentum"), "adagrad": ("lr",), "lion": ("lr", "betas"),
-                "adamax": ("lr", "betas"), "adadelta": ("lr", "rho"), "radam": ("lr", "betas"),
-                "rprop": ("lr", "etas", "step_sizes"), "nadam": ("lr", "betas", "momentum_decay"),
-                "asgd": ("lr", "lambd", "alpha", "t0"),
-                # Adafactor reads lr on the host as torch does (a tensor's value, with .item())
-                "adafactor": ("lr", "weight_decay", "beta2_decay", "d"),
-                "muon": ("lr", "momentum", "weight_decay")}
+# the hyper-parameters each optimizer takes as 0-d tensors: its rule says (``Rule.tensor_hypers``)
+TENSOR_HYPER = {name: spec.cls.rule.tensor_hypers for name, spec in OPTIMIZERS.items()}
 
 
 def _as_tensors(group: dict, keys) -> None:

@@ -3,6 +3,8 @@ The tests and ``fastoptim curves`` compare against these; nothing else in the pa
 
 from __future__ import annotations
 
+import importlib
+
 import torch
 
 from fastoptim.registry import OptimizerSpec
@@ -112,9 +114,9 @@ class ReferenceMuonRecipe:
 
 
 def reference_class(spec: OptimizerSpec):
-    if spec.reference is None:
-        return {"lion": ReferenceLion, "muon": ReferenceMuon}[spec.name]
-    return getattr(torch.optim, spec.reference)
+    """The oracle class the rule names (``Rule.oracle``: a torch.optim class or a reference loop)."""
+    module, _, name = spec.cls.rule.oracle.rpartition(".")
+    return getattr(importlib.import_module(module), name)
 
 
 def reference_kwargs(spec: OptimizerSpec) -> dict:
