@@ -118,6 +118,8 @@ class Rule:
     takes: ClassVar[str] = "any"
     # ``fastoptim curves``' settings for this optimizer (its learning rate on the byte-level task, ...)
     curves_options: ClassVar[dict] = {"lr": 1e-3}
+    # what ``fastoptim curves`` prints under the gap between the fp32 and fp64 reference loops, where it needs saying
+    curves_note: ClassVar[str | None] = None
     # test hints: hyper-parameters that may be 0-d tensors; options for the 16-bit parity test (None: the
     # second option set), and what fp16 adds to them
     tensor_hypers: ClassVar[tuple[str, ...]] = ("lr",)

@@ -35,6 +35,8 @@ class LionRule(Rule):
         dict(lr=1e-3, maximize=True, weight_decay=0.1),
     )
     curves_options = dict(lr=3e-4)
+    curves_note = ("That gap is fp32 arithmetic, not a level: where b1*m + (1-b1)*g is within a rounding of 0, a "
+                   "last-bit difference in the state or the param flips its sign and moves that weight by 2*lr.")
     tensor_hypers = ("lr", "betas")
     low_precision_options = dict(lr=1e-2, betas=(0.9, 0.99), weight_decay=2.0)
     defaults = dict(lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0, maximize=False)
