@@ -80,3 +80,12 @@ def test_the_warmups_are_bitsandbytes_schedules():
     assert beta3s[0] > 0.9 and all(a < b for a, b in zip(beta3s[:99], beta3s[1:100]))
     assert beta3s[99:] == (0.9999,) * 201
     assert warmed_up(dict(group, t_alpha=None, t_beta3=0), 1) == (5.0, 0.9999)
+
+
+@pytest.mark.parametrize("kwargs,word", [(dict(betas=(0.9, 0.999)), "betas"), (dict(betas=(0.9, 0.999, 1.0)), "beta3"),
+                                         (dict(t_alpha=-1), "t_alpha"), (dict(t_beta3=2.5), "t_beta3"),
+                                         (dict(betas=(0.0, 0.999, 0.9999), t_beta3=10), "beta1 and beta3"),
+                                         (dict(alpha="five"), "alpha")])
+def test_bad_hyperparameter_is_named(kwargs, word):
+    with pytest.raises((ValueError, TypeError), match=word):
+        fastoptim.AdEMAMix([torch.nn.Parameter(torch.ones(3))], **kwargs)
