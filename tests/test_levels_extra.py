@@ -195,14 +195,8 @@ def test_flat_sgd_loads_torch_state_with_first_step_semantics(saved_steps):
     assert_params_close(ours_p, ref_p)
 
 
-TENSOR_HYPER = {"sgd": ("lr", "momentum"), "adam": ("lr", "betas"), "adamw": ("lr", "betas"),
-                "rmsprop": ("lr", "momentum"), "adagrad": ("lr",), "lion": ("lr", "betas"),
-                "adamax": ("lr", "betas"), "adadelta": ("lr", "rho"), "radam": ("lr", "betas"),
-                "rprop": ("lr", "etas", "step_sizes"), "nadam": ("lr", "betas", "momentum_decay"),
-                "asgd": ("lr", "lambd", "alpha", "t0"),
-                # Adafactor reads lr on the host as torch does (a tensor's value, with .item())
-                "adafactor": ("lr", "weight_decay", "beta2_decay", "d"),
-                "muon": ("lr", "momentum", "weight_decay")}
+# the hyper-parameters each optimizer takes as 0-d tensors: its rule says (``Rule.tensor_hypers``)
+TENSOR_HYPER = {name: spec.cls.rule.tensor_hypers for name, spec in OPTIMIZERS.items()}
 
 
 def _as_tensors(group: dict, keys) -> None:
@@ -354,7 +348,7 @@ def test_foreach_gathers_blocks_of_small_tensors_with_the_loop_levels_numbers(na
         # may sum in another order: params to the fp32 tolerance
         for a, b in zip(ours_p, base_p):
             for k, v in base.state[b].items():
-                assert torch.equal(ours.state[a][k], v), k
+                assert torch.equal(torch.as_tensor(ours.state[a][k]), torch.as_tensor(v)), k  # (a step count too)
         assert_params_close(ours_p, base_p)
         return
     for a, b in zip(ours_p, base_p):

@@ -72,24 +72,14 @@ LOW_PRECISION_STEPS = 10
 # RMSprop's coupled weight decay is the same ``g + wd*p`` as SGD's and Adam's (covered here); RMSprop squares
 # it and divides by the root, so where it cancels in bf16 the divisor's bound reaches 0 and (b) below could no
 # longer check 2.6% of the elements (13% under Triton's interpreter): it is left out for RMSprop.
-LOW_PRECISION_OPTIONS = {
-    "sgd": dict(lr=0.05, momentum=0.9, dampening=0.2, weight_decay=0.5),
-    "adam": dict(lr=1e-2, betas=(0.8, 0.9), weight_decay=0.5, amsgrad=True),
-    "adamw": dict(lr=1e-2, betas=(0.8, 0.9), weight_decay=2.0),
-    "rmsprop": dict(lr=1e-2, alpha=0.9, momentum=0.5, centered=True),
-    "adagrad": dict(lr=0.1, lr_decay=0.1, weight_decay=0.1, initial_accumulator_value=0.1),
-    "lion": dict(lr=1e-2, betas=(0.9, 0.99), weight_decay=2.0),
-    "adamax": dict(lr=1e-2, betas=(0.8, 0.9), weight_decay=0.5),
-    "adadelta": dict(lr=1.0, rho=0.8, weight_decay=0.5, eps=1e-4),
-    "radam": dict(lr=1e-2, betas=(0.8, 0.9), weight_decay=2.0, decoupled_weight_decay=True),
-    "rprop": dict(lr=1e-2, etas=(0.4, 1.5), step_sizes=(1e-3, 0.05), maximize=True),
-    "nadam": dict(lr=1e-2, betas=(0.8, 0.9), weight_decay=0.5, momentum_decay=0.05),
-    "asgd": dict(lr=5e-2, lambd=0.5, t0=3, weight_decay=0.5),
-}
+# (each rule's ``low_precision_options``; a rule that declares none runs its last option set)
+LOW_PRECISION_OPTIONS = {name: spec.cls.rule.low_precision_options or spec.option_sets[-1]
+                         for name, spec in OPTIMIZERS.items()}
 # fp16 state: a second moment of a grad below ~2e-4 underflows to fp16's subnormals or to 0, and an eps of 1e-8
 # is 0 in fp16, so a per-op step divides by 0. torch's own fp16 test data sets eps=0.1 for this reason; 1e-3
 # keeps every intermediate finite here (with 1e-8 this test fails: the steps overflow to inf).
-FP16_OPTIONS = {"adam": dict(eps=1e-3), "adamw": dict(eps=1e-3), "rmsprop": dict(eps=1e-3), "nadam": dict(eps=1e-3)}
+# (each rule's ``fp16_options``)
+FP16_OPTIONS = {name: spec.cls.rule.fp16_options for name, spec in OPTIMIZERS.items()}
 
 
 class _Bounded:

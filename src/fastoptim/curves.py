@@ -26,9 +26,8 @@ from . import data, levels, registry, storage
 from .factory import create
 from .reference import ReferenceMuonRecipe, reference_class, reference_kwargs
 
-LEARNING_RATES = {"sgd": 0.1, "adam": 3e-3, "adamw": 3e-3, "rmsprop": 1e-3, "adagrad": 0.05, "lion": 3e-4,
-                  "adamax": 3e-3, "adadelta": 1.0, "radam": 3e-3, "nadam": 3e-3, "rprop": 1e-3, "asgd": 0.05,
-                  "adafactor": 1e-2, "muon": 0.02}
+# each optimizer's settings on this task are its rule's (``Rule.curves_options``: its lr, SGD's momentum)
+LEARNING_RATES = {name: spec.cls.rule.curves_options["lr"] for name, spec in registry.OPTIMIZERS.items()}
 # Muon's recipe steps the embedding, the output head and 1-D params with AdamW at this lr (``muon_groups``)
 MUON_ADAMW_LR = 3e-3
 
@@ -80,9 +79,9 @@ PARAM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def _optimizer_kwargs(name: str, lr: float | None = None) -> dict:
-    kwargs = {"lr": LEARNING_RATES[name] if lr is None else lr}
-    if name == "sgd":
-        kwargs["momentum"] = 0.9
+    kwargs = dict(registry.get(name).cls.rule.curves_options)
+    if lr is not None:
+        kwargs["lr"] = lr
     return kwargs
 
 

@@ -128,8 +128,9 @@ def muon_groups(model: torch.nn.Module, weight_decay: float | None = None, adamw
 def create(model_or_params: torch.nn.Module | Iterable, name: str, **kwargs: Any) -> FastOptimizer:
     """``create(model, "adamw", lr=3e-4, weight_decay=0.1, impl="foreach")``; ``create(model, "muon", lr=0.02,
     adamw_lr=3e-4)`` builds the Muon recipe (``muon_groups``) in one optimizer."""
-    cls = get(name).cls
-    if isinstance(model_or_params, torch.nn.Module) and get(name).name == "muon":
+    spec = get(name)
+    cls = spec.cls
+    if isinstance(model_or_params, torch.nn.Module) and spec.params == "matrices":  # Muon's recipe
         recipe = {k: kwargs.pop(k) for k in ("adamw_lr", "adamw_betas", "adamw_eps", "head") if k in kwargs}
         groups = muon_groups(model_or_params, kwargs.pop("weight_decay", None), **recipe)
         if not groups:

@@ -1,4 +1,5 @@
-"""The public optimizer classes: torch.optim's signatures and defaults, plus ``impl=``.
+"""The public optimizer classes, one per registered rule (``fastoptim.rules``): torch.optim's signatures and
+defaults (the rule's ``defaults`` in its ``signature`` order), plus fastoptim's own options.
 
 ``impl`` picks the level ("auto", "loop", "foreach", "fused", "compiled"; see ``fastoptim.IMPLS``);
 ``flat=True`` keeps each group's params, grads and states in one buffer per device and dtype;
@@ -12,9 +13,16 @@ torch.optim's ``foreach=True`` / ``fused=True`` are accepted as spellings of ``i
 
 from __future__ import annotations
 
+import inspect
+import sys
+
 from .optimizer import FastOptimizer
-from .rules import (AdadeltaRule, AdafactorRule, AdagradRule, ASGDRule, AdamaxRule, AdamRule, LionRule, MuonRule, NAdamRule,
-                    RAdamRule, RMSpropRule, RpropRule, SGDRule)
+from .rules import RULES, Rule
+
+# fastoptim's own constructor options, keyword-only, after torch's (``foreach`` and ``fused`` stay where a torch
+# class has them among its positional parameters)
+OWN_OPTIONS = dict(impl="auto", flat=False, max_grad_norm=None, state_bits=32, min_quant_size=4096,
+                   rounding="nearest", foreach=None, fused=None)
 
 
 def _impl(impl: str, foreach: bool | None, fused: bool | None) -> str:
@@ -25,154 +33,46 @@ def _impl(impl: str, foreach: bool | None, fused: bool | None) -> str:
     return impl
 
 
-class SGD(FastOptimizer):
-    rule = SGDRule()
-
-    def __init__(self, params, lr=1e-3, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False, *,
-                 maximize=False, impl="auto", flat=False, max_grad_norm=None, state_bits=32,
-                 min_quant_size=4096, rounding="nearest", foreach=None, fused=None):
-        super().__init__(params, _impl(impl, foreach, fused), flat, max_grad_norm, state_bits, min_quant_size, rounding, lr=lr, momentum=momentum,
-                         dampening=dampening,
-                         weight_decay=weight_decay, nesterov=nesterov, maximize=maximize)
-
-
-class Adam(FastOptimizer):
-    rule = AdamRule(decoupled=False)
-
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, amsgrad=False, *,
-                 maximize=False, impl="auto", flat=False, max_grad_norm=None, state_bits=32,
-                 min_quant_size=4096, rounding="nearest", foreach=None, fused=None):
-        super().__init__(params, _impl(impl, foreach, fused), flat, max_grad_norm, state_bits, min_quant_size, rounding, lr=lr, betas=betas, eps=eps,
-                         weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize)
-
-
-class AdamW(FastOptimizer):
-    rule = AdamRule(decoupled=True)
-
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False, *,
-                 maximize=False, impl="auto", flat=False, max_grad_norm=None, state_bits=32,
-                 min_quant_size=4096, rounding="nearest", foreach=None, fused=None):
-        super().__init__(params, _impl(impl, foreach, fused), flat, max_grad_norm, state_bits, min_quant_size, rounding, lr=lr, betas=betas, eps=eps,
-                         weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize)
+def signature(rule: Rule) -> inspect.Signature:
+    """``__init__(self, params, <torch's parameters>, *, <the rest>)`` with the rule's defaults."""
+    names = rule.signature or tuple(n for n in rule.defaults if n != "maximize") + ("*", "maximize")
+    unknown = [n for n in names if n != "*" and n not in rule.defaults and n not in OWN_OPTIONS]
+    if unknown or set(rule.defaults) - set(names):
+        raise TypeError(f"{type(rule).__name__}.signature {names} must name each of its defaults "
+                        f"{tuple(rule.defaults)} once (unknown: {unknown})")
+    default = {**OWN_OPTIONS, **rule.defaults}
+    P = inspect.Parameter
+    params = [P("self", P.POSITIONAL_OR_KEYWORD), P("params", P.POSITIONAL_OR_KEYWORD)]
+    kind = P.POSITIONAL_OR_KEYWORD
+    for name in names + tuple(n for n in OWN_OPTIONS if n not in names):
+        if name == "*":
+            kind = P.KEYWORD_ONLY
+            continue
+        params.append(P(name, P.KEYWORD_ONLY if name in OWN_OPTIONS and name not in names else kind,
+                        default=default[name]))
+    return inspect.Signature(params)
 
 
-class RMSprop(FastOptimizer):
-    rule = RMSpropRule()
+def public_class(rule: Rule, module: str = __name__) -> type[FastOptimizer]:
+    """The torch.optim-style class of ``rule``: its constructor binds torch's arguments by ``signature(rule)``."""
+    sig = signature(rule)
+    hyper = tuple(rule.defaults)
 
-    def __init__(self, params, lr=1e-2, alpha=0.99, eps=1e-8, weight_decay=0.0, momentum=0.0, centered=False, *,
-                 maximize=False, impl="auto", flat=False, max_grad_norm=None, state_bits=32,
-                 min_quant_size=4096, rounding="nearest", foreach=None, fused=None):
-        super().__init__(params, _impl(impl, foreach, fused), flat, max_grad_norm, state_bits, min_quant_size, rounding, lr=lr, alpha=alpha, eps=eps,
-                         weight_decay=weight_decay, momentum=momentum, centered=centered, maximize=maximize)
+    def __init__(self, *args, **kwargs):
+        bound = sig.bind(self, *args, **kwargs)
+        bound.apply_defaults()
+        a = bound.arguments
+        FastOptimizer.__init__(self, a["params"], _impl(a["impl"], a["foreach"], a["fused"]), a["flat"],
+                               a["max_grad_norm"], a["state_bits"], a["min_quant_size"], a["rounding"],
+                               **{name: a[name] for name in hyper})
 
-
-class Adagrad(FastOptimizer):
-    rule = AdagradRule()
-
-    def __init__(self, params, lr=1e-2, lr_decay=0.0, weight_decay=0.0, initial_accumulator_value=0.0,
-                 eps=1e-10, *, maximize=False, impl="auto", flat=False, max_grad_norm=None, state_bits=32,
-                 min_quant_size=4096, rounding="nearest", foreach=None, fused=None):
-        super().__init__(params, _impl(impl, foreach, fused), flat, max_grad_norm, state_bits, min_quant_size, rounding, lr=lr, lr_decay=lr_decay,
-                         weight_decay=weight_decay, initial_accumulator_value=initial_accumulator_value,
-                         eps=eps, maximize=maximize)
-
-
-class Lion(FastOptimizer):
-    rule = LionRule()
-
-    def __init__(self, params, lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0, *,
-                 maximize=False, impl="auto", flat=False, max_grad_norm=None, state_bits=32,
-                 min_quant_size=4096, rounding="nearest", foreach=None, fused=None):
-        super().__init__(params, _impl(impl, foreach, fused), flat, max_grad_norm, state_bits, min_quant_size, rounding, lr=lr, betas=betas,
-                         weight_decay=weight_decay,
-                         maximize=maximize)
+    __init__.__signature__ = sig
+    __init__.__qualname__ = f"{rule.class_name}.__init__"
+    doc = type(rule).__doc__ or sys.modules[type(rule).__module__].__doc__
+    return type(rule.class_name, (FastOptimizer,), {"rule": rule, "__init__": __init__, "__doc__": doc,
+                                                     "__module__": module, "__qualname__": rule.class_name})
 
 
-class Adamax(FastOptimizer):
-    rule = AdamaxRule()
-
-    def __init__(self, params, lr=2e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, foreach=None, *,
-                 maximize=False, impl="auto", flat=False, max_grad_norm=None, state_bits=32,
-                 min_quant_size=4096, rounding="nearest", fused=None):
-        super().__init__(params, _impl(impl, foreach, fused), flat, max_grad_norm, state_bits, min_quant_size, rounding,
-                         lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, maximize=maximize)
-
-
-class Adadelta(FastOptimizer):
-    rule = AdadeltaRule()
-
-    def __init__(self, params, lr=1.0, rho=0.9, eps=1e-6, weight_decay=0.0, foreach=None, *,
-                 maximize=False, impl="auto", flat=False, max_grad_norm=None, state_bits=32,
-                 min_quant_size=4096, rounding="nearest", fused=None):
-        super().__init__(params, _impl(impl, foreach, fused), flat, max_grad_norm, state_bits, min_quant_size, rounding,
-                         lr=lr, rho=rho, eps=eps, weight_decay=weight_decay, maximize=maximize)
-
-
-class RAdam(FastOptimizer):
-    rule = RAdamRule()
-
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
-                 decoupled_weight_decay=False, *, maximize=False, impl="auto", flat=False, max_grad_norm=None,
-                 state_bits=32, min_quant_size=4096, rounding="nearest", foreach=None, fused=None):
-        super().__init__(params, _impl(impl, foreach, fused), flat, max_grad_norm, state_bits, min_quant_size, rounding,
-                         lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                         decoupled_weight_decay=decoupled_weight_decay, maximize=maximize)
-
-
-class NAdam(FastOptimizer):
-    rule = NAdamRule()
-
-    def __init__(self, params, lr=2e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, momentum_decay=4e-3,
-                 decoupled_weight_decay=False, *, maximize=False, impl="auto", flat=False, max_grad_norm=None,
-                 state_bits=32, min_quant_size=4096, rounding="nearest", foreach=None, fused=None):
-        super().__init__(params, _impl(impl, foreach, fused), flat, max_grad_norm, state_bits, min_quant_size, rounding,
-                         lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, momentum_decay=momentum_decay,
-                         decoupled_weight_decay=decoupled_weight_decay, maximize=maximize)
-
-
-class Rprop(FastOptimizer):
-    rule = RpropRule()
-
-    def __init__(self, params, lr=1e-2, etas=(0.5, 1.2), step_sizes=(1e-6, 50), *,
-                 maximize=False, impl="auto", flat=False, max_grad_norm=None, state_bits=32,
-                 min_quant_size=4096, rounding="nearest", foreach=None, fused=None):
-        super().__init__(params, _impl(impl, foreach, fused), flat, max_grad_norm, state_bits, min_quant_size, rounding,
-                         lr=lr, etas=etas, step_sizes=step_sizes, maximize=maximize)
-
-
-class ASGD(FastOptimizer):
-    rule = ASGDRule()
-
-    def __init__(self, params, lr=1e-2, lambd=1e-4, alpha=0.75, t0=1e6, weight_decay=0.0, foreach=None,
-                 maximize=False, *, impl="auto", flat=False, max_grad_norm=None, state_bits=32, min_quant_size=4096,
-                 rounding="nearest", fused=None):
-        super().__init__(params, _impl(impl, foreach, fused), flat, max_grad_norm, state_bits, min_quant_size, rounding,
-                         lr=lr, lambd=lambd, alpha=alpha, t0=t0, weight_decay=weight_decay, maximize=maximize)
-
-
-class Adafactor(FastOptimizer):
-    rule = AdafactorRule()
-
-    def __init__(self, params, lr=1e-2, beta2_decay=-0.8, eps=(None, 1e-3), d=1.0, weight_decay=0.0, *,
-                 foreach=None, maximize=False, impl="auto", flat=False, max_grad_norm=None, state_bits=32,
-                 min_quant_size=4096, rounding="nearest", fused=None):
-        super().__init__(params, _impl(impl, foreach, fused), flat, max_grad_norm, state_bits, min_quant_size, rounding,
-                         lr=lr, beta2_decay=beta2_decay, eps=eps, d=d, weight_decay=weight_decay, maximize=maximize)
-
-
-class Muon(FastOptimizer):
-    """torch.optim.Muon, plus: every level (Newton-Schulz batched over same-shape matrices), ``ns_dtype``
-    (None: bf16 on CUDA, fp32 elsewhere), and param groups with ``use_muon=False`` stepped by AdamW (their
-    ``lr``, ``betas``, ``eps``, ``weight_decay``, ``amsgrad``, ``maximize``), so one optimizer covers a whole
-    model: ``fastoptim.create(model, "muon")``."""
-    rule = MuonRule()
-
-    def __init__(self, params, lr=1e-3, weight_decay=0.1, momentum=0.95, nesterov=True,
-                 ns_coefficients=(3.4445, -4.7750, 2.0315), eps=1e-7, ns_steps=5, adjust_lr_fn=None, *,
-                 ns_dtype=None, use_muon=True, betas=(0.9, 0.95), amsgrad=False, maximize=False, impl="auto",
-                 flat=False, max_grad_norm=None, state_bits=32, min_quant_size=4096, rounding="nearest",
-                 foreach=None, fused=None):
-        super().__init__(params, _impl(impl, foreach, fused), flat, max_grad_norm, state_bits, min_quant_size, rounding,
-                         lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
-                         ns_coefficients=ns_coefficients, eps=eps, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn,
-                         ns_dtype=ns_dtype, use_muon=use_muon, betas=betas, amsgrad=amsgrad, maximize=maximize)
+CLASSES: dict[str, type[FastOptimizer]] = {name: public_class(rule) for name, rule in RULES.items()}
+__all__ = [cls.__name__ for cls in CLASSES.values()]
+globals().update({cls.__name__: cls for cls in CLASSES.values()})

@@ -113,6 +113,7 @@ def _print_gaps(gaps: list[dict], diffs: list[dict]) -> None:
         when = f"first apart at step {apart}" if apart else "never apart"
         print(f"{name}: the levels match the {gap['curve']} loop to {levels:.3g}; that loop is up to "
               f"{gap['max_abs_diff']:.3g} from the {gap['reference']} loop ({when}; final losses "
-              f"{gap['final_loss']:.4f} vs {gap['reference_final_loss']:.4f}).\n"
-              f"  That gap is fp32 arithmetic, not a level: where b1*m + (1-b1)*g is within a rounding of 0, a "
-              "last-bit difference in the state or the param flips its sign and moves that weight by 2*lr.")
+              f"{gap['final_loss']:.4f} vs {gap['reference_final_loss']:.4f}).")
+        note = registry.get(name).cls.rule.curves_note
+        if note:
+            print(f"  {note}")

@@ -10,7 +10,7 @@ r"""Adadelta (Zeiler 2012, "ADADELTA: An Adaptive Learning Rate Method"), torch.
 
 from __future__ import annotations
 
-from .base import Rule, _number, check_bool, check_nonnegative, nonzero
+from .base import Rule, _number, check_bool, check_nonnegative, nonzero, register
 from .prims import sqrt
 
 
@@ -28,7 +28,19 @@ def adadelta_update(p, g, square_avg, acc_delta,
     return p, square_avg, acc_delta
 
 
+@register
 class AdadeltaRule(Rule):
+    class_name = "Adadelta"
+    oracle = "torch.optim.Adadelta"
+    signature = ("lr", "rho", "eps", "weight_decay", "foreach", "*", "maximize")
+    option_sets = (
+        dict(lr=1.0),
+        dict(lr=0.5, rho=0.8, weight_decay=0.1, eps=1e-4),
+        dict(lr=1.0, maximize=True, weight_decay=0.05),
+    )
+    curves_options = dict(lr=1.0)
+    tensor_hypers = ("lr", "rho")
+    low_precision_options = dict(lr=1.0, rho=0.8, weight_decay=0.5, eps=1e-4)
     name = "adadelta"
     defaults = dict(lr=1.0, rho=0.9, eps=1e-6, weight_decay=0.0, maximize=False)
     state_names = ("square_avg", "acc_delta")
@@ -42,9 +54,10 @@ class AdadeltaRule(Rule):
             raise ValueError(f"Invalid rho: {rho} (must be in [0, 1])")
         check_bool(group, "maximize")
 
-    def flags(self, group):
-        return (group["maximize"], nonzero(group["weight_decay"]))
+    def named_flags(self, group):
+        return dict(MAXIMIZE=group["maximize"], WEIGHT_DECAY=nonzero(group["weight_decay"]))
 
-    def scalars(self, group, step):
+    def named_scalars(self, group, step):
         rho = group["rho"]
-        return (group["lr"], rho, 1 - rho, group["eps"], group["weight_decay"])
+        return dict(lr=group["lr"], rho=rho, one_minus_rho=1 - rho, eps=group["eps"],
+                    weight_decay=group["weight_decay"])

@@ -20,7 +20,7 @@ import math
 
 import torch
 
-from .base import PerTensor, Rule, _number, check_bool, check_nonnegative, nonzero
+from .base import PerTensor, Rule, _number, check_bool, check_nonnegative, nonzero, register
 
 
 def _rms(x):
@@ -64,8 +64,20 @@ def adafactor_step(param, grad, row_var, col_var, variance,
     param.add_(update.mul_((-alpha / denom).to(param.dtype)))
 
 
+@register
 class AdafactorRule(Rule):
     name = "adafactor"
+    class_name = "Adafactor"
+    oracle = "torch.optim.Adafactor"
+    signature = ("lr", "beta2_decay", "eps", "d", "weight_decay", "*", "foreach", "maximize")
+    option_sets = (
+        dict(lr=1e-2),
+        dict(lr=1e-2, weight_decay=0.1, beta2_decay=-0.5, eps=(1e-4, 1e-3), d=2.0),
+        dict(lr=1e-2, maximize=True, weight_decay=0.05),
+    )
+    curves_options = dict(lr=1e-2)
+    # lr is read on the host as torch reads it (a tensor's value, with .item())
+    tensor_hypers = ("lr", "weight_decay", "beta2_decay", "d")
     defaults = dict(lr=1e-2, beta2_decay=-0.8, eps=(None, 1e-3), d=1.0, weight_decay=0.0, maximize=False)
     state_names = ("row_var", "col_var", "variance")
     unsigned_states = frozenset(state_names)
@@ -102,15 +114,18 @@ class AdafactorRule(Rule):
         shape[-1 if name == "row_var" else -2] = 1
         return tuple(shape)
 
-    def flags(self, group):
-        return (group["maximize"], nonzero(group["weight_decay"]), group["eps"][0] is None)
+    def named_flags(self, group):
+        # (True: eps1 is the stored dtype's epsilon; bucket_flags puts that number in its place)
+        return dict(MAXIMIZE=group["maximize"], WEIGHT_DECAY=nonzero(group["weight_decay"]),
+                    DTYPE_EPS1=group["eps"][0] is None)
 
     def bucket_flags(self, flags, dtype):
         maximize, weight_decay, eps1_from_dtype = flags
         return maximize, weight_decay, torch.finfo(dtype).eps if eps1_from_dtype else None
 
-    def scalars(self, group, step):
+    def named_scalars(self, group, step):
         lr = float(group["lr"])  # torch reads it on the host too (rho_t = min(lr, ...))
         eps1, eps2 = group["eps"]
-        return (lr, 1 - lr * group["weight_decay"], float(step) ** group["beta2_decay"],
-                min(lr, 1 / math.sqrt(step)), 0.0 if eps1 is None else eps1, eps2, group["d"])
+        return dict(lr=lr, decay_factor=1 - lr * group["weight_decay"],
+                    one_minus_beta2_t=float(step) ** group["beta2_decay"], rho_t=min(lr, 1 / math.sqrt(step)),
+                    eps1=0.0 if eps1 is None else eps1, eps2=eps2, d=group["d"])

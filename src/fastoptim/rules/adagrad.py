@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import Rule, check_bool, check_nonnegative, nonzero, steps_list
+from .base import Rule, check_bool, check_nonnegative, nonzero, register, steps_list
 from .prims import sqrt
 
 
@@ -26,7 +26,17 @@ def adagrad_update(p, g, state_sum,
     return p, state_sum
 
 
+@register
 class AdagradRule(Rule):
+    class_name = "Adagrad"
+    oracle = "torch.optim.Adagrad"
+    option_sets = (
+        dict(lr=1e-1),
+        dict(lr=1e-1, lr_decay=0.01, weight_decay=0.1, initial_accumulator_value=0.1),
+        dict(lr=1e-1, maximize=True, eps=1e-6),
+    )
+    curves_options = dict(lr=0.05)
+    low_precision_options = dict(lr=0.1, lr_decay=0.1, weight_decay=0.1, initial_accumulator_value=0.1)
     name = "adagrad"
     defaults = dict(lr=1e-2, lr_decay=0.0, weight_decay=0.0, initial_accumulator_value=0.0, eps=1e-10,
                     maximize=False)
@@ -39,8 +49,8 @@ class AdagradRule(Rule):
         check_nonnegative(group, "lr", "lr_decay", "weight_decay", "initial_accumulator_value", "eps")
         check_bool(group, "maximize")
 
-    def flags(self, group):
-        return (group["maximize"], nonzero(group["weight_decay"]))
+    def named_flags(self, group):
+        return dict(MAXIMIZE=group["maximize"], WEIGHT_DECAY=nonzero(group["weight_decay"]))
 
     def torch_fused(self, params, grads, states, group, step, grad_scale=None, found_inf=None):
         """torch's own fused kernel for this math (the fused level uses it on the CPU)."""
@@ -50,9 +60,9 @@ class AdagradRule(Rule):
                               eps=float(group["eps"]), maximize=group["maximize"], grad_scale=grad_scale,
                               found_inf=found_inf)
 
-    def scalars(self, group, step):
+    def named_scalars(self, group, step):
         clr = group["lr"] / (1 + (step - 1) * group["lr_decay"])
-        return (clr, group["eps"], group["weight_decay"])
+        return dict(clr=clr, eps=group["eps"], weight_decay=group["weight_decay"])
 
     def initial_value(self, name, group):
         return float(group["initial_accumulator_value"])

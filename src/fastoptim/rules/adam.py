@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import Rule, nonzero, steps_list, check_betas, check_bool, check_nonnegative
+from .base import Rule, nonzero, register, steps_list, check_betas, check_bool, check_nonnegative
 from .prims import maximum, sqrt
 
 
@@ -42,11 +42,27 @@ def adam_update(p, g, exp_avg, exp_avg_sq, max_exp_avg_sq,
 class AdamRule(Rule):
     state_names = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
     unsigned_states = frozenset({"exp_avg_sq", "max_exp_avg_sq"})
+    curves_options = dict(lr=3e-3)
+    tensor_hypers = ("lr", "betas")
+    fp16_options = dict(eps=1e-3)
     update = staticmethod(adam_update)
 
     def __init__(self, decoupled: bool):
         self.decoupled = decoupled
         self.name = "adamw" if decoupled else "adam"
+        self.class_name = "AdamW" if decoupled else "Adam"
+        self.oracle = f"torch.optim.{self.class_name}"
+        self.option_sets = ((
+            dict(lr=1e-2),
+            dict(lr=1e-2, betas=(0.8, 0.9), weight_decay=0.3),
+            dict(lr=1e-2, amsgrad=True, maximize=True, weight_decay=0.0),
+        ) if decoupled else (
+            dict(lr=1e-2),
+            dict(lr=1e-2, betas=(0.8, 0.9), weight_decay=0.1, eps=1e-6),
+            dict(lr=1e-2, amsgrad=True, maximize=True, weight_decay=0.05),
+        ))
+        self.low_precision_options = (dict(lr=1e-2, betas=(0.8, 0.9), weight_decay=2.0) if decoupled else
+                                      dict(lr=1e-2, betas=(0.8, 0.9), weight_decay=0.5, amsgrad=True))
         self.defaults = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2 if decoupled else 0.0,
                              amsgrad=False, maximize=False)
 
@@ -58,8 +74,9 @@ class AdamRule(Rule):
     def active(self, group):
         return (True, True, group["amsgrad"])
 
-    def flags(self, group):
-        return (group["maximize"], nonzero(group["weight_decay"]), self.decoupled, group["amsgrad"])
+    def named_flags(self, group):
+        return dict(MAXIMIZE=group["maximize"], WEIGHT_DECAY=nonzero(group["weight_decay"]),
+                    DECOUPLED=self.decoupled, AMSGRAD=group["amsgrad"])
 
     def torch_fused(self, params, grads, states, group, step, grad_scale=None, found_inf=None):
         """torch's own fused kernel for this math (the fused level uses it on the CPU)."""
@@ -71,10 +88,15 @@ class AdamRule(Rule):
            weight_decay=float(group["weight_decay"]), eps=float(group["eps"]), maximize=group["maximize"],
            grad_scale=grad_scale, found_inf=found_inf)
 
-    def scalars(self, group, step):
+    def named_scalars(self, group, step):
         lr, wd = group["lr"], group["weight_decay"]
         beta1, beta2 = group["betas"]
         bias_correction1 = 1 - beta1 ** step
         bias_correction2 = 1 - beta2 ** step
-        return (lr / bias_correction1, 1 - beta1, beta2, 1 - beta2, group["eps"], wd, 1 - lr * wd,
-                bias_correction2 ** 0.5)
+        return dict(step_size=lr / bias_correction1, one_minus_beta1=1 - beta1, beta2=beta2,
+                    one_minus_beta2=1 - beta2, eps=group["eps"], weight_decay=wd, decay_factor=1 - lr * wd,
+                    bias_correction2_sqrt=bias_correction2 ** 0.5)
+
+
+register(AdamRule(decoupled=False))
+register(AdamRule(decoupled=True))

@@ -9,7 +9,7 @@ r"""Adamax, Adam with the infinity norm (Kingma & Ba 2015, section 7.1), torch.o
 
 from __future__ import annotations
 
-from .base import Rule, check_betas, check_bool, check_nonnegative, nonzero
+from .base import Rule, check_betas, check_bool, check_nonnegative, nonzero, register
 from .prims import maximum
 
 
@@ -26,8 +26,20 @@ def adamax_update(p, g, exp_avg, exp_inf,
     return p, exp_avg, exp_inf
 
 
+@register
 class AdamaxRule(Rule):
     name = "adamax"
+    class_name = "Adamax"
+    oracle = "torch.optim.Adamax"
+    signature = ("lr", "betas", "eps", "weight_decay", "foreach", "*", "maximize")
+    option_sets = (
+        dict(lr=1e-2),
+        dict(lr=1e-2, betas=(0.8, 0.9), weight_decay=0.1, eps=1e-6),
+        dict(lr=1e-2, maximize=True, weight_decay=0.05),
+    )
+    curves_options = dict(lr=3e-3)
+    tensor_hypers = ("lr", "betas")
+    low_precision_options = dict(lr=1e-2, betas=(0.8, 0.9), weight_decay=0.5)
     defaults = dict(lr=2e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, maximize=False)
     state_names = ("exp_avg", "exp_inf")
     unsigned_states = frozenset({"exp_inf"})
@@ -38,9 +50,10 @@ class AdamaxRule(Rule):
         check_betas(group)
         check_bool(group, "maximize")
 
-    def flags(self, group):
-        return (group["maximize"], nonzero(group["weight_decay"]))
+    def named_flags(self, group):
+        return dict(MAXIMIZE=group["maximize"], WEIGHT_DECAY=nonzero(group["weight_decay"]))
 
-    def scalars(self, group, step):
+    def named_scalars(self, group, step):
         beta1, beta2 = group["betas"]
-        return (group["lr"] / (1 - beta1 ** step), 1 - beta1, beta2, group["eps"], group["weight_decay"])
+        return dict(clr=group["lr"] / (1 - beta1 ** step), one_minus_beta1=1 - beta1, beta2=beta2,
+                    eps=group["eps"], weight_decay=group["weight_decay"])

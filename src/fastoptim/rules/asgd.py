@@ -14,7 +14,7 @@ import struct
 
 import torch
 
-from .base import Rule, _number, check_bool, check_nonnegative, nonzero
+from .base import Rule, _number, check_bool, check_nonnegative, nonzero, register
 
 
 def asgd_update(p, g, ax,
@@ -39,7 +39,19 @@ def _in_scalar_dtype(value: float) -> float:
     return struct.unpack("f", struct.pack("f", value))[0]
 
 
+@register
 class ASGDRule(Rule):
+    class_name = "ASGD"
+    oracle = "torch.optim.ASGD"
+    signature = ("lr", "lambd", "alpha", "t0", "weight_decay", "foreach", "maximize", "*")
+    option_sets = (
+        dict(lr=1e-2),
+        dict(lr=5e-2, lambd=0.1, alpha=0.5, t0=5, weight_decay=0.1),
+        dict(lr=1e-2, t0=2, maximize=True),
+    )
+    curves_options = dict(lr=0.05)
+    tensor_hypers = ("lr", "lambd", "alpha", "t0")
+    low_precision_options = dict(lr=5e-2, lambd=0.5, t0=3, weight_decay=0.5)
     name = "asgd"
     defaults = dict(lr=1e-2, lambd=1e-4, alpha=0.75, t0=1e6, weight_decay=0.0, maximize=False)
     state_names = ("ax",)
@@ -54,8 +66,8 @@ class ASGDRule(Rule):
             _number(name, group[name])
         check_bool(group, "maximize")
 
-    def flags(self, group):
-        return (group["maximize"], nonzero(group["weight_decay"]))
+    def named_flags(self, group):
+        return dict(MAXIMIZE=group["maximize"], WEIGHT_DECAY=nonzero(group["weight_decay"]))
 
     def host_start(self, group):
         return (_in_scalar_dtype(float(group["lr"])), 1.0)
@@ -66,5 +78,6 @@ class ASGDRule(Rule):
         mu = 1 / max(1, step - float(group["t0"]))
         return (_in_scalar_dtype(eta), _in_scalar_dtype(mu))
 
-    def scalars(self, group, step, eta, mu):
-        return (1 - group["lambd"] * eta, eta, mu, 0.0 if mu == 1 else 1.0, group["weight_decay"])
+    def named_scalars(self, group, step, eta, mu):
+        return dict(decay=1 - group["lambd"] * eta, eta=eta, mu=mu, keep=0.0 if mu == 1 else 1.0,
+                    weight_decay=group["weight_decay"])

@@ -5,8 +5,8 @@ A rule supplies
   * ``state_names``   torch.optim's state names, in torch's order (``step`` excluded);
   * ``validate``      raises ``ValueError`` naming the bad hyper-parameter;
   * ``active``        which of ``state_names`` a group needs (e.g. ``max_exp_avg_sq`` only with amsgrad);
-  * ``flags``         booleans fixed for a run (branch conditions inside ``update``);
-  * ``scalars``       host-side numbers for one step (bias corrections, step size, ``1 - lr*wd``);
+  * ``named_flags``   booleans fixed for a run (branch conditions inside ``update``), by name;
+  * ``named_scalars`` host-side numbers for one step (bias corrections, step size, ``1 - lr*wd``), by name;
   * ``host_states``   torch's per-param 0-d states (NAdam's ``mu_product``, ASGD's ``eta`` and ``mu``), kept as host
                       floats and moved by ``host_step``; ``scalars`` gets their values before the step;
   * ``update``        the elementwise math: ``update(p, g, *states, *scalars, *FLAGS) -> (p, *states)``.
@@ -19,6 +19,16 @@ one tensor at a time (loop) or batched over each shape group (the other levels).
 temporaries the stages pass between them (param-shaped, made per step). A rule may hand a param group to
 another rule (``for_group``: Muon's AdamW groups).
 
+The names are ``update``'s own parameter names: after ``p``, ``g`` and the states come its scalars, then its
+FLAGS (in capitals). ``scalar_names``/``flag_names`` are read from that signature when the rule class is defined;
+``register`` then calls ``named_scalars``/``named_flags`` on the defaults and every option set and refuses, at
+import, a rule whose names differ. The levels get positional tuples in that order from ``scalars()`` and
+``flags()``, which the base class derives: no rule writes an order by hand.
+
+What the rest of the package derives from a rule (the public class and its signature and docstring, exports,
+``create()``, CLI choices, the curves' settings, the test matrix) is declared here too: ``class_name``,
+``signature``, ``oracle``, ``option_sets``, ``takes``, ``curves_options`` and the test hints below.
+
 ``update`` receives every state in ``state_names`` order, ``None`` for the inactive ones, and returns them
 in the same order (inactive ones passed through). It uses arithmetic operators and ``prims`` only, on
 tensors: arithmetic among scalars alone (``1 - beta1``) belongs in ``scalars``, done once in double
@@ -27,6 +37,7 @@ precision on the host as torch.optim does, so every level rounds the same number
 
 from __future__ import annotations
 
+import inspect
 import math
 import weakref
 from dataclasses import dataclass
@@ -86,6 +97,43 @@ class Rule:
     # defaults every group gets that ``optimizer.defaults`` does not list (Muon's AdamW groups' betas: torch's
     # schedulers cycle ``betas`` where defaults list them, and Muon's ``momentum`` must be what they cycle)
     group_only: ClassVar[frozenset] = frozenset()
+    # read from ``update``'s (or the stages') signature when the class is defined: the order the levels pass
+    scalar_names: ClassVar[tuple[str, ...]] = ()
+    flag_names: ClassVar[tuple[str, ...]] = ()
+
+    # --- declared once, derived everywhere (fastoptim.registry reads these) ---
+    # the public class, ``fastoptim.<class_name>``
+    class_name: ClassVar[str]
+    # torch.optim's constructor parameters after ``params``, in its order, "*" where the keyword-only ones start;
+    # None: ``defaults`` in order, ``maximize`` keyword-only. fastoptim's own options follow (optimizers.py).
+    signature: ClassVar[tuple[str, ...] | None] = None
+    # the oracle the tests and ``fastoptim curves`` compare with: "torch.optim.<Class>" (its single-tensor path),
+    # or "<module>.<Class>" of a plain reference loop that takes ``compute_dtype`` (fastoptim.reference's)
+    oracle: ClassVar[str]
+    # the torch.optim class of the same algorithm where it is not the oracle (Muon's)
+    torch_class: ClassVar[str | None] = None
+    # hyper-parameter sets that together turn on every flag: the tests run each at every level against the oracle
+    option_sets: ClassVar[tuple[dict, ...]] = ()
+    # the params it takes: "any", or "matrices" (2-D only: Muon); the tests give it such params
+    takes: ClassVar[str] = "any"
+    # ``fastoptim curves``' settings for this optimizer (its learning rate on the byte-level task, ...)
+    curves_options: ClassVar[dict] = {"lr": 1e-3}
+    # what ``fastoptim curves`` prints under the gap between the fp32 and fp64 reference loops, where it needs saying
+    curves_note: ClassVar[str | None] = None
+    # test hints: hyper-parameters that may be 0-d tensors; options for the 16-bit parity test (None: the
+    # second option set), and what fp16 adds to them
+    tensor_hypers: ClassVar[tuple[str, ...]] = ("lr",)
+    low_precision_options: ClassVar[dict | None] = None
+    fp16_options: ClassVar[dict] = {}
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        for method in ("scalars", "flags"):
+            if method in vars(cls):
+                raise TypeError(f"{cls.__name__} defines {method}(): define named_{method}() instead, a dict by "
+                                "update()'s parameter names (the base class passes them in update()'s order)")
+        if "update" in vars(cls) or "stages" in vars(cls) or "state_names" in vars(cls):
+            cls.scalar_names, cls.flag_names = _update_names(cls)
 
     def for_group(self, group: dict) -> "Rule":
         """The rule whose math steps ``group`` (itself, but for rules that hand some groups to another)."""
@@ -112,15 +160,25 @@ class Rule:
     def active(self, group: dict) -> tuple[bool, ...]:
         return (True,) * len(self.state_names)
 
-    def flags(self, group: dict) -> tuple[bool, ...]:
+    def named_flags(self, group: dict) -> dict[str, Any]:
+        """This group's FLAGS, by ``update``'s parameter names."""
         raise NotImplementedError
+
+    def flags(self, group: dict) -> tuple:
+        """``named_flags`` in ``update``'s order: what the levels pass."""
+        return _in_order(self.named_flags(group), self.flag_names, self, "named_flags")
 
     def bucket_flags(self, flags: tuple, dtype: torch.dtype) -> tuple:
         """``flags`` for a bucket of params stored in ``dtype`` (the math may see them upcast to fp32)."""
         return flags
 
-    def scalars(self, group: dict, step: int, *host: float) -> tuple[float, ...]:
+    def named_scalars(self, group: dict, step: int, *host: float) -> dict[str, Any]:
+        """This step's host scalars, by ``update``'s parameter names (``host``: the ``host_states`` before it)."""
         raise NotImplementedError
+
+    def scalars(self, group: dict, step: int, *host: float) -> tuple:
+        """``named_scalars`` in ``update``'s order: what the levels pass."""
+        return _in_order(self.named_scalars(group, step, *host), self.scalar_names, self, "named_scalars")
 
     def initial_value(self, name: str, group: dict) -> float:
         return 0.0
@@ -159,6 +217,89 @@ class Rule:
     # group, step, grad_scale, found_inf)`` with ``states`` per ``state_names`` (None when inactive) and
     # ``step`` this step's count. None: no such kernel.
     torch_fused: ClassVar[Callable[..., None] | None] = None
+
+
+def _tail_names(fn: Callable, skip: int, where: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(scalars, FLAGS) of ``fn``'s parameters after its first ``skip`` (the tensors): the FLAGS in capitals,
+    after every scalar."""
+    names = [n for n in inspect.signature(fn).parameters][skip:]
+    scalars = tuple(n for n in names if not n.isupper())
+    flags = tuple(n for n in names if n.isupper())
+    if names != list(scalars + flags):
+        raise TypeError(f"{where}: its FLAGS (capitals) must follow its scalars, got {tuple(names)}")
+    return scalars, flags
+
+
+def _update_names(cls) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The scalars and flags ``cls``'s math takes, by name, in order; every stage must take the same."""
+    if getattr(cls, "stages", ()):
+        found = []
+        for stage in cls.stages:
+            skip = 2 + len(stage.tensors) if isinstance(stage, Elementwise) else len(stage.reads)
+            fn = stage.update if isinstance(stage, Elementwise) else stage.fn
+            found.append((fn.__name__, _tail_names(fn, skip, f"{cls.__name__} stage {fn.__name__}")))
+        for name, names in found[1:]:
+            if names != found[0][1]:
+                raise TypeError(f"{cls.__name__}: stage {name} takes scalars and flags {names}, stage "
+                                f"{found[0][0]} takes {found[0][1]}: every stage gets the same ones")
+        return found[0][1]
+    update = getattr(cls, "update", None)
+    if update is None:
+        return (), ()
+    return _tail_names(update, 2 + len(cls.state_names), f"{cls.__name__}.update")
+
+
+def _in_order(values: dict, names: tuple[str, ...], rule: Rule, method: str) -> tuple:
+    try:
+        ordered = tuple(values[n] for n in names)
+    except KeyError as missing:
+        raise TypeError(_mismatch(rule, method, values, names)) from missing
+    if len(values) != len(names):
+        raise TypeError(_mismatch(rule, method, values, names))
+    return ordered
+
+
+def _mismatch(rule: Rule, method: str, values: dict, names: tuple[str, ...]) -> str:
+    given = tuple(values)
+    extra = [n for n in given if n not in names]
+    missing = [n for n in names if n not in given]
+    return (f"{type(rule).__name__}.{method}() gives {given}, but its math takes {names}: "
+            f"{'unknown ' + str(extra) if extra else ''}{'; ' if extra and missing else ''}"
+            f"{'missing ' + str(missing) if missing else ''}")
+
+
+# --- the registry of rules: each rule file registers its own; fastoptim.registry builds everything from it ----
+
+RULES: dict[str, Rule] = {}
+
+
+def check_declaration(rule: Rule) -> None:
+    """Refuses a rule whose named scalars and flags are not its math's parameters, or whose option sets name a
+    hyper-parameter it does not have or a value it refuses: called on registration, so at import."""
+    for opts in ({},) + tuple(rule.option_sets):
+        unknown = set(opts) - set(rule.defaults)
+        if unknown:
+            raise TypeError(f"{type(rule).__name__}.option_sets: {sorted(unknown)} are not hyper-parameters of "
+                            f"{rule.name} (its defaults: {tuple(rule.defaults)})")
+        group = {**rule.defaults, **opts}
+        rule.validate(group)
+        own = rule.for_group(group)
+        own.flags(group)
+        own.scalars(group, 1, *own.host_start(group))
+    for name in rule.unsigned_states:
+        if name not in rule.state_names:
+            raise TypeError(f"{type(rule).__name__}.unsigned_states names {name!r}, not one of {rule.state_names}")
+
+
+def register(rule):
+    """Adds a rule (an instance, or a class made with no arguments; usable as a class decorator) to ``RULES``
+    after ``check_declaration``. Returns its argument."""
+    instance = rule() if isinstance(rule, type) else rule
+    check_declaration(instance)
+    if instance.name in RULES:
+        raise ValueError(f"an optimizer named {instance.name!r} is registered already")
+    RULES[instance.name] = instance
+    return rule
 
 
 def steps_list(step: int, params: list) -> list:

@@ -8,7 +8,7 @@ r"""Lion, EvoLved Sign Momentum (Chen et al. 2023, "Symbolic Discovery of Optimi
 
 from __future__ import annotations
 
-from .base import Rule, nonzero, check_betas, check_bool, check_nonnegative
+from .base import Rule, nonzero, register, check_betas, check_bool, check_nonnegative
 from .prims import sign
 
 
@@ -24,8 +24,21 @@ def lion_update(p, g, exp_avg,
     return p, exp_avg
 
 
+@register
 class LionRule(Rule):
     name = "lion"
+    class_name = "Lion"
+    oracle = "fastoptim.reference.ReferenceLion"
+    option_sets = (
+        dict(lr=1e-3),
+        dict(lr=1e-3, betas=(0.95, 0.98), weight_decay=0.5),
+        dict(lr=1e-3, maximize=True, weight_decay=0.1),
+    )
+    curves_options = dict(lr=3e-4)
+    curves_note = ("That gap is fp32 arithmetic, not a level: where b1*m + (1-b1)*g is within a rounding of 0, a "
+                   "last-bit difference in the state or the param flips its sign and moves that weight by 2*lr.")
+    tensor_hypers = ("lr", "betas")
+    low_precision_options = dict(lr=1e-2, betas=(0.9, 0.99), weight_decay=2.0)
     defaults = dict(lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0, maximize=False)
     state_names = ("exp_avg",)
     exports_step = False
@@ -36,10 +49,11 @@ class LionRule(Rule):
         check_betas(group)
         check_bool(group, "maximize")
 
-    def flags(self, group):
-        return (group["maximize"], nonzero(group["weight_decay"]))
+    def named_flags(self, group):
+        return dict(MAXIMIZE=group["maximize"], WEIGHT_DECAY=nonzero(group["weight_decay"]))
 
-    def scalars(self, group, step):
+    def named_scalars(self, group, step):
         lr = group["lr"]
         beta1, beta2 = group["betas"]
-        return (lr, beta1, 1 - beta1, beta2, 1 - beta2, 1 - lr * group["weight_decay"])
+        return dict(lr=lr, beta1=beta1, one_minus_beta1=1 - beta1, beta2=beta2, one_minus_beta2=1 - beta2,
+                    decay_factor=1 - lr * group["weight_decay"])

@@ -24,7 +24,7 @@ import math
 import torch
 
 from .adam import AdamRule
-from .base import Elementwise, PerTensor, Rule, _number, check_bool, check_nonnegative
+from .base import Elementwise, PerTensor, Rule, _number, check_bool, check_nonnegative, register
 
 NS_DTYPES = {None: None, "float32": torch.float32, "bfloat16": torch.bfloat16}
 ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
@@ -104,8 +104,31 @@ def muon_apply(p, g, update, eps, lr, decay_factor, one_minus_momentum, momentum
     return p, update
 
 
+@register
 class MuonRule(Rule):
+    """torch.optim.Muon, plus: every level (Newton-Schulz batched over same-shape matrices), ``ns_dtype``
+    (None: bf16 on CUDA, fp32 elsewhere), and param groups with ``use_muon=False`` stepped by AdamW (their
+    ``lr``, ``betas``, ``eps``, ``weight_decay``, ``amsgrad``, ``maximize``), so one optimizer covers a whole
+    model: ``fastoptim.create(model, "muon")``."""
     name = "muon"
+    class_name = "Muon"
+    # torch.optim.Muon has no single-tensor flag and always runs Newton-Schulz in bf16: the oracle is its loop
+    # with Newton-Schulz in ns_dtype
+    oracle = "fastoptim.reference.ReferenceMuon"
+    torch_class = "Muon"
+    signature = ("lr", "weight_decay", "momentum", "nesterov", "ns_coefficients", "eps", "ns_steps", "adjust_lr_fn",
+                 "*", "ns_dtype", "use_muon", "betas", "amsgrad", "maximize")
+    # (Newton-Schulz in the device's fast dtype (bf16 here, where bf16 products are native), and pinned to fp32)
+    option_sets = (
+        dict(lr=2e-2),
+        dict(lr=2e-2, nesterov=False, momentum=0.9, weight_decay=0.3, adjust_lr_fn="match_rms_adamw",
+             ns_dtype="float32"),
+        dict(lr=2e-2, ns_steps=3, ns_coefficients=(2.0, -1.5, 0.5), eps=1e-5, adjust_lr_fn="original",
+             ns_dtype="float32"),
+    )
+    takes = "matrices"
+    curves_options = dict(lr=0.02)
+    tensor_hypers = ("lr", "momentum", "weight_decay")
     defaults = dict(lr=1e-3, weight_decay=0.1, momentum=0.95, nesterov=True,
                     ns_coefficients=(3.4445, -4.7750, 2.0315), eps=1e-7, ns_steps=5, adjust_lr_fn=None,
                     ns_dtype=None, use_muon=True, betas=(0.9, 0.95), amsgrad=False, maximize=False)
@@ -157,12 +180,14 @@ class MuonRule(Rule):
     def refuses_quantized_state(self, group):
         return None
 
-    def flags(self, group):
+    def named_flags(self, group):
         # the coefficients are constants of the product chain (``baddbmm`` takes them as numbers)
         coefficients = tuple(float(c) for c in group["ns_coefficients"])
-        return (group["nesterov"], coefficients, group["ns_steps"], NS_DTYPES[group["ns_dtype"]],
-                group["adjust_lr_fn"], group["maximize"])
+        return dict(NESTEROV=group["nesterov"], NS_COEFFICIENTS=coefficients, NS_STEPS=group["ns_steps"],
+                    NS_DTYPE=NS_DTYPES[group["ns_dtype"]], ADJUST_LR_FN=group["adjust_lr_fn"],
+                    MAXIMIZE=group["maximize"])
 
-    def scalars(self, group, step):
+    def named_scalars(self, group, step):
         lr, wd, momentum = group["lr"], group["weight_decay"], group["momentum"]
-        return (group["eps"], lr, 1 - lr * wd, 1 - momentum, momentum)
+        return dict(eps=group["eps"], lr=lr, decay_factor=1 - lr * wd, one_minus_momentum=1 - momentum,
+                    momentum=momentum)

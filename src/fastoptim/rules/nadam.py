@@ -16,7 +16,7 @@ import struct
 
 import torch
 
-from .base import Rule, check_betas, check_bool, check_nonnegative, nonzero
+from .base import Rule, check_betas, check_bool, check_nonnegative, nonzero, register
 from .prims import sqrt
 
 
@@ -53,8 +53,20 @@ def _times_in_scalar_dtype(product: float, factor: float) -> float:
     return as_fp32(product * as_fp32(factor))
 
 
+@register
 class NAdamRule(Rule):
     name = "nadam"
+    class_name = "NAdam"
+    oracle = "torch.optim.NAdam"
+    option_sets = (
+        dict(lr=1e-2),
+        dict(lr=1e-2, betas=(0.8, 0.9), weight_decay=0.1, momentum_decay=0.05, eps=1e-6),
+        dict(lr=1e-2, weight_decay=0.3, decoupled_weight_decay=True, maximize=True),
+    )
+    curves_options = dict(lr=3e-3)
+    tensor_hypers = ("lr", "betas", "momentum_decay")
+    low_precision_options = dict(lr=1e-2, betas=(0.8, 0.9), weight_decay=0.5, momentum_decay=0.05)
+    fp16_options = dict(eps=1e-3)
     defaults = dict(lr=2e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, momentum_decay=4e-3,
                     decoupled_weight_decay=False, maximize=False)
     state_names = ("exp_avg", "exp_avg_sq")
@@ -69,8 +81,9 @@ class NAdamRule(Rule):
         check_betas(group)
         check_bool(group, "decoupled_weight_decay", "maximize")
 
-    def flags(self, group):
-        return (group["maximize"], nonzero(group["weight_decay"]), group["decoupled_weight_decay"])
+    def named_flags(self, group):
+        return dict(MAXIMIZE=group["maximize"], WEIGHT_DECAY=nonzero(group["weight_decay"]),
+                    DECOUPLED=group["decoupled_weight_decay"])
 
     def host_start(self, group):
         return (1.0,)
@@ -78,10 +91,12 @@ class NAdamRule(Rule):
     def host_step(self, group, step, values):
         return (_times_in_scalar_dtype(values[0], _momentum(group, step)),)
 
-    def scalars(self, group, step, mu_product_before):
+    def named_scalars(self, group, step, mu_product_before):
         lr, wd = group["lr"], group["weight_decay"]
         beta1, beta2 = group["betas"]
         mu, mu_next = _momentum(group, step), _momentum(group, step + 1)
         mu_product = _times_in_scalar_dtype(mu_product_before, mu)
-        return (lr * (1.0 - mu) / (1.0 - mu_product), lr * mu_next / (1.0 - mu_product * mu_next), 1 - beta1,
-                beta2, 1 - beta2, 1 - beta2 ** step, group["eps"], wd, 1 - lr * wd)
+        return dict(grad_step=lr * (1.0 - mu) / (1.0 - mu_product),
+                    avg_step=lr * mu_next / (1.0 - mu_product * mu_next), one_minus_beta1=1 - beta1,
+                    beta2=beta2, one_minus_beta2=1 - beta2, bias_correction2=1 - beta2 ** step, eps=group["eps"],
+                    weight_decay=wd, decay_factor=1 - lr * wd)

@@ -13,7 +13,7 @@ Adaptive Learning Rate and Beyond"), torch.optim.RAdam's semantics.
 
 from __future__ import annotations
 
-from .base import Rule, check_betas, check_bool, check_nonnegative, nonzero
+from .base import Rule, check_betas, check_bool, check_nonnegative, nonzero, register
 from .prims import sqrt
 
 
@@ -36,7 +36,18 @@ def radam_update(p, g, exp_avg, exp_avg_sq,
     return p, exp_avg, exp_avg_sq
 
 
+@register
 class RAdamRule(Rule):
+    class_name = "RAdam"
+    oracle = "torch.optim.RAdam"
+    option_sets = (
+        dict(lr=1e-2),
+        dict(lr=1e-2, betas=(0.8, 0.9), weight_decay=0.1, eps=1e-6),
+        dict(lr=1e-2, weight_decay=0.3, decoupled_weight_decay=True, maximize=True),
+    )
+    curves_options = dict(lr=3e-3)
+    tensor_hypers = ("lr", "betas")
+    low_precision_options = dict(lr=1e-2, betas=(0.8, 0.9), weight_decay=2.0, decoupled_weight_decay=True)
     name = "radam"
     defaults = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, decoupled_weight_decay=False,
                     maximize=False)
@@ -49,10 +60,11 @@ class RAdamRule(Rule):
         check_betas(group)
         check_bool(group, "decoupled_weight_decay", "maximize")
 
-    def flags(self, group):
-        return (group["maximize"], nonzero(group["weight_decay"]), group["decoupled_weight_decay"])
+    def named_flags(self, group):
+        return dict(MAXIMIZE=group["maximize"], WEIGHT_DECAY=nonzero(group["weight_decay"]),
+                    DECOUPLED=group["decoupled_weight_decay"])
 
-    def scalars(self, group, step):
+    def named_scalars(self, group, step):
         lr, wd = group["lr"], group["weight_decay"]
         beta1, beta2 = group["betas"]
         bias_correction2 = 1 - beta2 ** step
@@ -63,5 +75,6 @@ class RAdamRule(Rule):
             rectified, plain = rect * bias_correction2 ** 0.5, 0.0
         else:
             rectified, plain = 0.0, 1.0
-        return (lr / (1 - beta1 ** step), 1 - beta1, beta2, 1 - beta2, group["eps"], wd, 1 - lr * wd,
-                rectified, plain)
+        return dict(step_size=lr / (1 - beta1 ** step), one_minus_beta1=1 - beta1, beta2=beta2,
+                    one_minus_beta2=1 - beta2, eps=group["eps"], weight_decay=wd, decay_factor=1 - lr * wd,
+                    rectified=rectified, plain=plain)

@@ -10,7 +10,7 @@ r"""RMSprop (Hinton 2012; centered variant Graves 2013), torch.optim.RMSprop's s
 
 from __future__ import annotations
 
-from .base import Rule, nonzero, check_bool, check_nonnegative, check_unit_interval
+from .base import Rule, nonzero, check_bool, check_nonnegative, check_unit_interval, register
 from .prims import sqrt
 
 
@@ -35,8 +35,20 @@ def rmsprop_update(p, g, square_avg, momentum_buffer, grad_avg,
     return p, square_avg, momentum_buffer, grad_avg
 
 
+@register
 class RMSpropRule(Rule):
     name = "rmsprop"
+    class_name = "RMSprop"
+    oracle = "torch.optim.RMSprop"
+    option_sets = (
+        dict(lr=1e-2),
+        dict(lr=1e-2, momentum=0.9, weight_decay=0.1),
+        dict(lr=1e-2, centered=True, alpha=0.9, maximize=True),
+        dict(lr=1e-2, centered=True, momentum=0.5, eps=1e-4),
+    )
+    tensor_hypers = ("lr", "momentum")
+    low_precision_options = dict(lr=1e-2, alpha=0.9, momentum=0.5, centered=True)
+    fp16_options = dict(eps=1e-3)
     defaults = dict(lr=1e-2, alpha=0.99, eps=1e-8, weight_decay=0.0, momentum=0.0, centered=False,
                     maximize=False)
     state_names = ("square_avg", "momentum_buffer", "grad_avg")
@@ -57,10 +69,11 @@ class RMSpropRule(Rule):
     def active(self, group):
         return (True, nonzero(group["momentum"]), group["centered"])
 
-    def flags(self, group):
-        return (group["maximize"], nonzero(group["weight_decay"]), nonzero(group["momentum"]), group["centered"])
+    def named_flags(self, group):
+        return dict(MAXIMIZE=group["maximize"], WEIGHT_DECAY=nonzero(group["weight_decay"]),
+                    MOMENTUM=nonzero(group["momentum"]), CENTERED=group["centered"])
 
-    def scalars(self, group, step):
+    def named_scalars(self, group, step):
         alpha = group["alpha"]
-        return (group["lr"], alpha, 1 - alpha, group["eps"], group["weight_decay"],
-                group["momentum"])
+        return dict(lr=group["lr"], alpha=alpha, one_minus_alpha=1 - alpha, eps=group["eps"],
+                    weight_decay=group["weight_decay"], momentum=group["momentum"])

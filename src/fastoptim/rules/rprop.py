@@ -10,7 +10,7 @@ r"""Rprop, resilient backpropagation (Riedmiller & Braun 1993), torch.optim.Rpro
 
 from __future__ import annotations
 
-from .base import Rule, _number, check_bool, check_nonnegative
+from .base import Rule, _number, check_bool, check_nonnegative, register
 from .prims import clamp, sign
 
 
@@ -31,7 +31,17 @@ def rprop_update(p, g, prev, step_size,
     return p, g, step_size
 
 
+@register
 class RpropRule(Rule):
+    class_name = "Rprop"
+    oracle = "torch.optim.Rprop"
+    option_sets = (
+        dict(lr=1e-2),
+        dict(lr=1e-2, etas=(0.4, 1.5), step_sizes=(1e-3, 0.05)),
+        dict(lr=1e-2, maximize=True),
+    )
+    tensor_hypers = ("lr", "etas", "step_sizes")
+    low_precision_options = dict(lr=1e-2, etas=(0.4, 1.5), step_sizes=(1e-3, 0.05), maximize=True)
     name = "rprop"
     defaults = dict(lr=1e-2, etas=(0.5, 1.2), step_sizes=(1e-6, 50), maximize=False)
     state_names = ("prev", "step_size")
@@ -51,13 +61,13 @@ class RpropRule(Rule):
         _number("step_sizes[1]", sizes[1])
         check_bool(group, "maximize")
 
-    def flags(self, group):
-        return (group["maximize"],)
+    def named_flags(self, group):
+        return dict(MAXIMIZE=group["maximize"])
 
-    def scalars(self, group, step):
+    def named_scalars(self, group, step):
         etaminus, etaplus = group["etas"]
         step_size_min, step_size_max = group["step_sizes"]
-        return (etaminus, etaplus, step_size_min, step_size_max)
+        return dict(etaminus=etaminus, etaplus=etaplus, step_size_min=step_size_min, step_size_max=step_size_max)
 
     def initial_value(self, name, group):
         return float(group["lr"]) if name == "step_size" else 0.0

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import Rule, _number, check_bool, check_nonnegative, nonzero
+from .base import Rule, _number, register, check_bool, check_nonnegative, nonzero
 
 
 def sgd_update(p, g, momentum_buffer,
@@ -33,8 +33,20 @@ def sgd_update(p, g, momentum_buffer,
     return p, momentum_buffer
 
 
+@register
 class SGDRule(Rule):
     name = "sgd"
+    class_name = "SGD"
+    oracle = "torch.optim.SGD"
+    option_sets = (
+        dict(lr=0.1),
+        dict(lr=0.05, momentum=0.9),
+        dict(lr=0.05, momentum=0.9, dampening=0.3, weight_decay=0.1),
+        dict(lr=0.05, momentum=0.8, nesterov=True, weight_decay=0.05, maximize=True),
+    )
+    curves_options = dict(lr=0.1, momentum=0.9)
+    tensor_hypers = ("lr", "momentum")
+    low_precision_options = dict(lr=0.05, momentum=0.9, dampening=0.2, weight_decay=0.5)
     defaults = dict(lr=1e-3, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False, maximize=False)
     state_names = ("momentum_buffer",)
     exports_step = False
@@ -52,8 +64,9 @@ class SGDRule(Rule):
     def active(self, group):
         return (nonzero(group["momentum"]),)
 
-    def flags(self, group):
-        return (group["maximize"], nonzero(group["weight_decay"]), nonzero(group["momentum"]), group["nesterov"])
+    def named_flags(self, group):
+        return dict(MAXIMIZE=group["maximize"], WEIGHT_DECAY=nonzero(group["weight_decay"]),
+                    MOMENTUM=nonzero(group["momentum"]), NESTEROV=group["nesterov"])
 
     def torch_fused(self, params, grads, states, group, step, grad_scale=None, found_inf=None):
         """torch's own fused kernel for this math (the fused level uses it on the CPU)."""
@@ -64,8 +77,8 @@ class SGDRule(Rule):
                           maximize=group["maximize"], is_first_step=step == 1,
                           grad_scale=grad_scale, found_inf=found_inf)
 
-    def scalars(self, group, step):
+    def named_scalars(self, group, step):
         first = step == 1
-        return (group["lr"], group["momentum"], group["weight_decay"],
-                0.0 if first else group["momentum"],
-                1.0 if first else 1.0 - group["dampening"])
+        return dict(lr=group["lr"], momentum=group["momentum"], weight_decay=group["weight_decay"],
+                    buffer_decay=0.0 if first else group["momentum"],
+                    grad_weight=1.0 if first else 1.0 - group["dampening"])
