@@ -47,7 +47,7 @@ def add_parser(sub) -> None:
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="where the params live; auto: cuda if there is one, else cpu (default: auto)")
-    p.add_argument("--json", metavar="PATH", help="write results as JSON (schema in README.md)")
+    p.add_argument("--json", metavar="PATH", help="write results as JSON (schema in docs/bench.md)")
     p.add_argument("--markdown", metavar="PATH", help="write the tables as Markdown")
     p.set_defaults(func=run)
 

@@ -48,7 +48,7 @@ def adafactor_step(param, grad, row_var, col_var, variance,
         param.mul_(decay_factor)
     if variance is None:  # factored over the last two dims
         # mean(g^2) over each dim as torch takes it, the norm squared in the param's dtype, the norms from sums of
-        # squares in fp32 or fp64 (a column sum runs 4x faster than a column norm here); torch's norm sums in an
+        # squares in fp32 or fp64 (a column sum is faster than a column norm); torch's norm sums in an
         # order of its own, so fp32 and fp64 states may differ from torch's by an ulp (16-bit ones are torch's)
         squares = g.to(torch.promote_types(g.dtype, torch.float32)).square()
         row_var.lerp_(_norm_squared(squares, -1, g.dtype).div_(g.shape[-1]), one_minus_beta2_t)

@@ -11,7 +11,7 @@ r"""Muon: momentum orthogonalised by Newton-Schulz (Jordan et al. 2024; the upda
 
 torch runs Newton-Schulz in bf16. Here it runs in ``ns_dtype``: None picks what multiplies fast on the device
 (``fast_matmul_dtype``): bf16 on CUDA and on CPUs with bf16 matrix instructions (AVX512-BF16, AMX), fp32 on
-other CPUs, where bf16 products are emulated and far slower (measured in the README). A param
+other CPUs, where bf16 products are emulated and far slower (docs/performance.md). A param
 group with ``use_muon=False`` is stepped by AdamW with the group's lr, betas, eps and weight_decay (the usual
 recipe: AdamW for embeddings, the output head and 1-D params; ``fastoptim.create(model, "muon")``).
 """
@@ -58,7 +58,7 @@ def fast_matmul_dtype(device_type: str) -> torch.dtype:
         return torch.bfloat16
     if device_type == "cpu":
         # oneDNN "supports" bf16 on every AVX-512 CPU, emulating the products where the CPU lacks bf16 dot products
-        # (measured here with oneDNN held to AVX-512 without them: bf16 69 GFLOP/s against fp32 153); only
+        # (slower than fp32 there: docs/performance.md); only
         # AVX512-BF16 and AMX multiply bf16 natively
         try:
             native = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
