@@ -14,11 +14,12 @@ import pytest
 import torch
 
 import fastoptim
-from conftest import FLAT, assert_params_close, assert_state_close, shapes_for
+from conftest import FLAT, assert_params_close, shapes_for
 from fastoptim import storage
 from fastoptim.levels import LEVELS, record_paths
 from fastoptim.registry import OPTIMIZERS
 from fastoptim.rules.base import Elementwise
+from stored_state import FLIPPED_PARAM_ATOL, stored_state_flips
 
 BITS = (16, 8, 4)
 STEP_ERROR = {16: 0.004, 8: 0.025, 4: 0.5}
@@ -89,72 +90,13 @@ def test_per_step_error_against_32_bit_with_state_resynced(name, bits):
                      else {"QuantizedState", "Tensor"})
 
 
-# Where two levels may store different state (the level-parity test below): each computes a state's new value in
-# its own order (the loop level in torch ops, the CPU kernel fused), so the fp32 values differ by an ulp or so,
-# and where one lies within that of a rounding boundary its stored code (or bf16) lands one step apart. That
-# happens to an element in some 10^5 per step: at most FLIPS per state tensor, one code (one bf16 ulp) apart. The
-# absmax of a block is the largest |value|, which differs by those ulps: ABSMAX_RTOL (8 ulps). A flipped state
-# moves the params of the steps after it by lr times the flip's share of the update (3.5e-5 measured, RMSprop
-# at 16 bits): FLIPPED_PARAM_ATOL from then on, the fp32 tolerance before.
-FLIPS = 2
-ABSMAX_RTOL = 1e-6
-FLIPPED_PARAM_ATOL = 1e-4
-
-
-def _one_code_per_element(state):
-    codes = state.codes
-    if state.fmt.bits == 4:
-        codes = storage.quant.unpack4(codes, storage.quant.rows_of(state.shape)[1])
-    return codes.reshape(-1).long()
-
-
-def _flips(actual, expected, where):
-    """The elements where two codes (or two bf16 numbers, read as their bits) differ: each must be one step."""
-    differ = (actual != expected).nonzero().flatten()
-    assert len(differ) <= FLIPS, f"{where}: {len(differ)} elements differ (at most {FLIPS} may flip)"
-    steps = (actual[differ] - expected[differ]).abs()
-    assert (steps == 1).all(), f"{where}: codes {actual[differ].tolist()} vs {expected[differ].tolist()}"
-    return len(differ)
-
-
-def _stored_state_flips(ours, base, ours_p, base_p, step):
-    """Compare each stored state of ``ours`` with the loop level's, in its stored form: codes and absmax of a
-    QuantizedState, the bf16 tensor itself. Returns how many codes (bf16 numbers) flipped."""
-    flips = 0
-    for i, (a, b) in enumerate(zip(ours_p, base_p)):
-        mine, theirs = ours.state[a], base.state[b]
-        assert mine.keys() == theirs.keys(), (i, mine.keys(), theirs.keys())
-        for key, expected in theirs.items():
-            actual, where = mine[key], f"step {step}, param {i}, {key}"
-            assert type(actual) is type(expected), (where, type(actual), type(expected))
-            if isinstance(expected, storage.QuantizedState):
-                assert actual.fmt == expected.fmt and actual.shape == expected.shape, where
-                assert actual.codes.shape == expected.codes.shape, where
-                flips += _flips(_one_code_per_element(actual), _one_code_per_element(expected), where)
-                torch.testing.assert_close(actual.absmax, expected.absmax, atol=0, rtol=ABSMAX_RTOL,
-                                           msg=lambda m: f"{where} absmax: {m}")
-            elif not isinstance(expected, torch.Tensor):
-                assert actual == expected, (where, actual, expected)
-            elif expected.dtype == torch.bfloat16:
-                assert actual.dtype == torch.bfloat16 and actual.shape == expected.shape, where
-                # bf16 bits as ints: adjacent numbers of one sign are one apart
-                flips += _flips(actual.view(torch.int16).reshape(-1).int(),
-                                expected.view(torch.int16).reshape(-1).int(), where)
-            elif expected.is_floating_point():
-                assert actual.dtype == expected.dtype, where
-                assert_state_close(actual, expected, where)
-            else:
-                assert torch.equal(actual, expected), where
-    return flips
-
-
 @pytest.mark.parametrize("bits", BITS)
 @pytest.mark.parametrize("level", LEVELS)
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
 def test_every_level_steps_low_bit_state_as_the_loop_level_does(name, level, bits):
     """Each level against the loop level in the same format, over 4 steps with nothing re-synced: after every
     step the params agree, and so does every state as stored (codes and absmax, bf16 tensors, plain tensors).
-    A code may flip where a value lies within an ulp of a rounding boundary (``FLIPS``, above)."""
+    A code may flip where a value lies within an ulp of a rounding boundary (``stored_state.FLIPS``)."""
     spec = OPTIMIZERS[name]
     base_p, g = _params(1, name=name)
     ours_p = [torch.nn.Parameter(p.detach().clone()) for p in base_p]
@@ -171,7 +113,7 @@ def test_every_level_steps_low_bit_state_as_the_loop_level_does(name, level, bit
             own = {"loop": "stage_loop", "foreach": "stage_batched", "compiled": "stage_compiled"}.get(level)
         assert paths and own in paths if level in ("loop", "foreach", "compiled") else paths
         assert_params_close(ours_p, base_p, atol=FLIPPED_PARAM_ATOL if flipped else 1e-6)
-        flipped += _stored_state_flips(ours, base, ours_p, base_p, step)
+        flipped += stored_state_flips(ours, base, ours_p, base_p, step)
     if bits in (8, 4) and spec.params != "matrices" and name != "adafactor":
         # the states compared above were stored at fewer bits (Adafactor's factors stay fp32)
         assert any(isinstance(v, storage.QuantizedState) for s in base.state.values() for v in s.values())
