@@ -95,5 +95,6 @@ def test_long_run_matches_reference(name, index, level):
         ours.step()
         ref.step()
         if step % 10 == 0:
-            torch.testing.assert_close(ours_p[0], ref_p[0], atol=atol, rtol=LONG_RTOL, msg=lambda m: f"step {step}: {m}")
+            torch.testing.assert_close(ours_p[0], ref_p[0], atol=atol, rtol=LONG_RTOL,
+                                       msg=lambda m: f"step {step}: {m}")
     _assert_state_close(ours, ref, ours_p, ref_p, atol=1e-6, rtol=LONG_RTOL)
