@@ -216,3 +216,34 @@ def test_bad_schedule_arguments_are_named():
         fs.OneCycle(100, pct_start=1.5)
     with pytest.raises(ValueError, match="momentum_schedule"):
         fs.Scheduler(fastoptim.Adagrad(make_params()), fs.constant(), momentum_schedule=fs.constant())
+
+
+@pytest.mark.parametrize("decay", ["linear", "cosine"])
+def test_wsd_linear_and_cosine_decays_match_their_formulas(decay):
+    """The two decays ``train --schedule wsd`` can run (linear is its default), against the shapes written
+    out here, at every step and at the phase boundaries: warmup i/W, then 1, then, with t the share of
+    the decay done, min + (1 - min) * (1 - t) or min + (1 - min) * (1 + cos(pi t)) / 2, then min."""
+    warm, stable, decay_steps, floor = 100, 300, 400, 0.05
+
+    def expected(i):
+        if i < warm:
+            return i / warm
+        if i < warm + stable:
+            return 1.0
+        t = min(i - warm - stable, decay_steps) / decay_steps
+        shape = 1 - t if decay == "linear" else 0.5 * (1 + math.cos(math.pi * t))
+        return floor + (1 - floor) * shape
+
+    schedule = fs.wsd(warm, stable, decay_steps, min_factor=floor, decay=decay)
+    steps = warm + stable + decay_steps + 50
+    _close([schedule(i) for i in range(steps)], [expected(i) for i in range(steps)], rel=1e-12)
+    _close(_our_lrs(schedule, steps=steps), [LR * expected(i) for i in range(steps)])
+    mid = warm + stable + decay_steps // 2   # halfway down both shapes are at (1 + min) / 2
+    by_hand = {0: 0.0, warm - 1: 0.99, warm: 1.0, warm + stable - 1: 1.0, warm + stable: 1.0,
+               mid: 0.525, warm + stable + decay_steps: floor, steps - 1: floor}
+    if decay == "cosine":   # a quarter of the way down: (1 + cos(pi/4)) / 2 = 0.853553...
+        by_hand[warm + stable + decay_steps // 4] = floor + (1 - floor) * (2 + math.sqrt(2)) / 4
+    else:
+        by_hand[warm + stable + decay_steps // 4] = floor + (1 - floor) * 0.75
+    for i, value in by_hand.items():
+        assert math.isclose(schedule(i), value, rel_tol=1e-12, abs_tol=1e-15), (i, schedule(i), value)
