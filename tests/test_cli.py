@@ -21,7 +21,7 @@ def test_bench_quick_writes_json_and_markdown(tmp_path, capsys):
     assert data["schema_version"] == 1 and set(data) == {"schema_version", "environment", "config", "results",
                                                          "schedulers"}
     assert {r["workload"] for r in data["results"]} == {"mlp2000", "flat"}
-    from fastoptim.levels import cpu_kernels
+    from fastoptim.paths.cpu_kernel import kernels as cpu_kernels
     env = data["environment"]  # where it ran, the CPU kernel's build included (it sets low-bit speed)
     assert env["cpu_kernel_simd_bits"] == cpu_kernels.simd_width() in (512, 256, 0) and env["cpu"]
     for result in data["results"]:

@@ -1,4 +1,4 @@
-"""The fused level's CPU kernel for 16/8/4-bit state (``fastoptim.levels.cpu_kernels``).
+"""The fused level's CPU kernel for 16/8/4-bit state (``fastoptim.paths.cpu_kernel``).
 
 The oracle is the rule's own ``update`` run on numpy float32 arrays of the stored values (IEEE arithmetic,
 one rounding per operator, Python scalars rounded to fp32), whose results are then stored by the eager
@@ -19,7 +19,8 @@ import torch
 import fastoptim
 from fastoptim import native, storage
 from fastoptim.paths import cpu_kernel as kernel_path
-from fastoptim.levels import cpu_kernels, record_paths
+from fastoptim.levels import record_paths
+from fastoptim.paths.cpu_kernel import kernels as cpu_kernels
 from conftest import ELEMENTWISE_CASES  # noqa: E402
 from fastoptim.registry import OPTIMIZERS
 
@@ -309,7 +310,7 @@ def test_an_unwritable_cache_folder_runs_staged_with_a_warning(monkeypatch, tmp_
 def test_a_damaged_cached_kernel_is_built_again(tmp_path):
     """In fresh processes (a loaded library must not be cut short under the process that runs it)."""
     env = dict(os.environ, FASTOPTIM_CACHE=str(tmp_path))
-    probe = [sys.executable, "-c", "from fastoptim.levels import cpu_kernels; print(cpu_kernels.available())"]
+    probe = [sys.executable, "-c", "from fastoptim.paths.cpu_kernel import kernels as cpu_kernels; print(cpu_kernels.available())"]
     assert subprocess.run(probe, env=env, capture_output=True, text=True).stdout.strip() == "None"
     built = list(tmp_path.glob("kernel_*.so"))
     assert len(built) == 1

@@ -13,7 +13,8 @@ from torch import Tensor
 
 import fastoptim
 from fastoptim import storage
-from fastoptim.levels import cpu_kernels, record_paths
+from fastoptim.levels import record_paths
+from fastoptim.paths.cpu_kernel import kernels as cpu_kernels
 
 BITS = (16, 8, 4)
 KW = dict(lr=1e-2, weight_decay=0.1, min_quant_size=0)  # the matrix is quantized at 8/4 bits, the vector never

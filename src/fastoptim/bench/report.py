@@ -89,7 +89,7 @@ def cpu_name() -> str:
 def environment() -> dict[str, Any]:
     """Where the bench ran. ``cpu_kernel_simd_bits``: the width the CPU kernel's codec runs at here (512: AVX-512,
     256: AVX2, 0: scalar, None: no kernel builds), which sets the speed of 16/8/4-bit state on the CPU."""
-    from ..levels import cpu_kernels
+    from ..paths.cpu_kernel import kernels as cpu_kernels
 
     return {"torch": torch.__version__, "python": platform.python_version(), "machine": platform.machine(),
             "cpu": cpu_name(), "cpu_kernel_simd_bits": cpu_kernels.simd_width(), "threads": torch.get_num_threads()}

@@ -1,10 +1,10 @@
 // One optimizer step over a bucket's tensors, block by block: each state loaded into an fp32 array that stays in L1
 // (decoded, or widened from bf16), the rule's update run over them with p and g read in place, each state stored
-// back. A template: levels/cpu_kernels.kernel_source fills each $${name} with the pieces of one rule, its FLAGS and
+// back. A template: paths/cpu_kernel/kernels.kernel_source fills each $${name} with the pieces of one rule, its FLAGS and
 // state formats (the update as C++ statements, and per state its load, store and codec).
 #include "codec.hpp"
 
-// a tensor's row in the table: these columns, then each active state's addresses (cpu_kernels._column_names)
+// a tensor's row in the table: these columns, then each active state's addresses (kernels._column_names)
 constexpr int64_t FIRST_BLOCK = 0, ROWS = 1, LENGTH = 2, PARAM = 3, GRAD = 4;
 constexpr int64_t WIDTH = ${width};  // columns in a row
 constexpr int64_t BLOCK = ${block};  // elements in a block (the codec's; a 16-bit state's piece)

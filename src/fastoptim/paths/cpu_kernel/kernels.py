@@ -42,8 +42,8 @@ import torch
 from torch import Tensor
 
 from . import cpp_twin
-from .. import bulk, native, storage
-from ..storage import Format, quant
+from ... import bulk, native, storage
+from ...storage import Format, quant
 
 CXXFLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-shared",
             "-fPIC", "-std=c++17")
@@ -217,7 +217,7 @@ def kernel(update: Callable, flags: tuple, formats: tuple, n_scalars: int, has_g
 
 def _probe() -> ctypes.CDLL:
     """A tiny kernel (SGD, 16-bit state): what ``available`` and ``simd_width`` build to find out."""
-    from ..rules.sgd import sgd_update
+    from ...rules.sgd import sgd_update
 
     return kernel(sgd_update, (False, False, True, False), (Format(16),), 5, False)
 

@@ -1,5 +1,6 @@
 """The CPU kernel for 16/8/4-bit state: the rule's C++ twin loads, updates and stores each state in one pass
-(``fastoptim.levels.cpu_kernels``), the fused level's path for stored state on the CPU. It takes fp32 params
+(``kernels``: the generated source, its build, the kernel's table of tensors; ``cpp_twin``: the rule's update
+in C++), the fused level's path for stored state on the CPU. It takes fp32 params
 whose grads are fp32 and contiguous and whose active states are all bf16, or all 8-bit, or all 4-bit (laid out
 as the codec lays them out); the dispatcher runs the rest staged, as on every other level."""
 
@@ -11,8 +12,8 @@ import warnings
 import torch
 from torch import Tensor
 
-from ..levels import cpu_kernels
-from .base import Bucket, GradViews, Path, StepContext, caller_stacklevel, pack_scalars, subset, took
+from . import kernels as cpu_kernels
+from ..base import Bucket, GradViews, Path, StepContext, caller_stacklevel, pack_scalars, subset, took
 
 _kernel_warned: set = set()
 _dtype = operator.attrgetter("dtype")
