@@ -40,11 +40,12 @@ class FastOptimizer(torch.optim.Optimizer):
     rule: Rule
 
     def __init__(self, params: Iterable, impl: str = "auto", flat: bool = False,
-                 max_grad_norm: float | None = None, state_bits: int = 32,
-                 min_quant_size: int = storage.MIN_QUANT_SIZE, rounding: str = "nearest", **hyper: Any):
+                 max_grad_norm: float | None = None, state_bits: int | None = None,
+                 min_quant_size: int = storage.MIN_QUANT_SIZE, rounding: str = "nearest",
+                 state_format: str | None = None, **hyper: Any):
         self.impl = dispatch.check_impl(impl)
         self.flat = bool(flat)
-        self.state_bits = storage.check_state_bits(state_bits)
+        self.state_bits = storage.state_bits_of(state_bits, state_format)  # param groups carry state_bits
         self.min_quant_size = storage.check_min_quant_size(min_quant_size)
         self.rounding = storage.check_rounding(rounding)
         if self.flat and self.rounding != "nearest":

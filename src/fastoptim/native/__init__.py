@@ -20,10 +20,12 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import hashlib
+import math
 import os
 import re
 import shutil
 import string
+import struct
 import subprocess
 import tempfile
 from functools import lru_cache
@@ -46,6 +48,16 @@ class KernelUnavailable(RuntimeError):
 
 sources_read: dict[str, str] = {}  # file name -> where it was read from (this process)
 built: list[str] = []  # libraries this process compiled (a cache hit builds nothing)
+
+
+def float_literal(value: float) -> str:
+    """An exact C++ spelling of ``value`` rounded to fp32 (as torch rounds a Python scalar)."""
+    as_fp32 = struct.unpack("f", struct.pack("f", float(value)))[0]
+    if math.isnan(as_fp32):
+        return "NAN"
+    if math.isinf(as_fp32):
+        return "INFINITY" if as_fp32 > 0 else "-INFINITY"
+    return f"{as_fp32.hex()}f"
 
 
 def source_dir() -> str:

@@ -48,7 +48,7 @@ from torch import Tensor
 from .base import pack_scalars, took
 from .triton_kernels import ALIGN, NUM_WARPS, _exec_source, _jit, interpreting, triton_twin
 from .. import storage
-from ..storage import Format, quant
+from ..storage import Format, codecs, quant
 
 PIECE = 256          # elements per work block at 16 bits (no codec block there)
 TILE_ELEMENTS = 2048  # elements per tile: 16 per thread at 4 warps, one 128-bit load of 8-bit codes
@@ -151,51 +151,6 @@ def _ptrs(formats: Sequence[Format | None], hinted: bool, rounding: str) -> str:
     return "\n".join(" " * 8 + line for line in lines)
 
 
-def _load_state(i: int, fmt: Format, whole: bool) -> list[str]:
-    if fmt.bits == 16:  # bf16 bits widened exactly: the top half of the fp32 pattern
-        return [f"s{i} = (tl.load(s{i}_ptr + offs, mask=mask, other=0).to(tl.int32) << 16)"
-                f".to(tl.float32, bitcast=True)"]
-    lines = [f"s{i}_amax = tl.load(s{i}_absmax + blocks, mask=block_mask, other=0.0)"]
-    if fmt.bits == 8:
-        lines.append(f"s{i}_code = tl.load(s{i}_codes + offs, mask=mask, other=0).to(tl.int32)")
-    else:  # two codes a byte along the row, the first in the low nibble
-        lines += [f"s{i}_byte = tl.load(s{i}_codes + byte_offs, mask=byte_mask, other=0).to(tl.int32)",
-                  f"s{i}_code = tl.reshape(tl.join(s{i}_byte & 15, s{i}_byte >> 4), (TB, QB))"]
-    lines.append(f"s{i} = tl.load(s{i}_map + s{i}_code) * s{i}_amax[:, None]")
-    return lines
-
-
-def _store_state(i: int, fmt: Format, out: str) -> list[str]:
-    if fmt.bits == 16:  # round to nearest even on the bits, as torch does; a NaN is stored as 0x7FC0
-        return [f"s{i}_bits = {out}.to(tl.int32, bitcast=True)",
-                f"s{i}_bf16 = (s{i}_bits + 0x7FFF + ((s{i}_bits >> 16) & 1)) >> 16",
-                f"s{i}_bf16 = tl.where({out} != {out}, 0x7FC0, s{i}_bf16)",
-                f"tl.store(s{i}_ptr + offs, s{i}_bf16.to(tl.int16), mask=mask)"]
-    enc = quant.encoder(fmt.qmap)
-    lines = [f"s{i}_new = {out}",
-             # absmax through the bits: integer max orders |x| as the values do
-             f"s{i}_mag = tl.where(mask, s{i}_new.to(tl.int32, bitcast=True) & 0x7FFFFFFF, 0)",
-             # (tl.reduce with the standard combine, not tl.max: a jit function chosen when triton is imported,
-             # which the interpreter cannot call when it is switched on later)
-             f"s{i}_amax = tl.reduce(s{i}_mag, 1, tl.standard._elementwise_max).to(tl.float32, bitcast=True)",
-             f"s{i}_div = tl.where(s{i}_amax == 0.0, 1.0, s{i}_amax)",
-             f"s{i}_y = tl.div_rn(s{i}_new, s{i}_div[:, None]).to(tl.int32, bitcast=True)",
-             f"s{i}_neg = s{i}_y < 0",
-             f"s{i}_m = tl.minimum(tl.maximum(s{i}_y & 0x7FFFFFFF, {enc.lowest}), {enc.highest})",
-             f"s{i}_entry = tl.load(s{i}_lut + (((s{i}_m - {enc.lowest}) >> {enc.shift}) "
-             f"+ tl.where(s{i}_neg, {enc.half}, 0)))",
-             f"s{i}_low = (s{i}_m & {enc.mask}) ^ tl.where(s{i}_neg, {enc.mask}, 0)",
-             f"s{i}_code = ((s{i}_entry >> 24) & 255) + (s{i}_low > (s{i}_entry & {enc.mask})).to(tl.int32)",
-             f"s{i}_code = tl.where(mask, s{i}_code, 0)"]  # past a row's end: a 4-bit pad nibble is 0
-    if fmt.bits == 8:
-        lines.append(f"tl.store(s{i}_codes + offs, s{i}_code.to(tl.uint8), mask=mask)")
-    else:
-        lines += [f"s{i}_even, s{i}_odd = tl.split(tl.reshape(s{i}_code, (TB, QB // 2, 2)))",
-                  f"tl.store(s{i}_codes + byte_offs, (s{i}_even | (s{i}_odd << 4)).to(tl.uint8), mask=byte_mask)"]
-    lines.append(f"tl.store(s{i}_absmax + blocks, s{i}_amax, mask=block_mask)")
-    return lines
-
-
 def _bf16_nearest(x: str, bits: str) -> str:
     """uint32 whose low half is fp32 ``x`` (its bits ``bits``) rounded to bf16, nearest even, as torch rounds."""
     return f"tl.where({x} != {x}, 0x7FC0, ({bits} + 0x7FFF + (({bits} >> 16) & 1)) >> 16)"
@@ -253,14 +208,14 @@ def _body(formats: Sequence[Format | None], n_scalars: int, n_flags: int, whole:
         if fmt is None:
             args.append("None")
             continue
-        lines += _load_state(i, fmt, whole)
+        lines += codecs.of(fmt).triton_load(i, fmt, whole)  # the codec's hook (``storage.codecs``)
         args.append(f"s{i}")
     args += [f"c{i}" for i in range(n_scalars)] + [f"F{i}" for i in range(n_flags)]
     lines.append(f"out = UPDATE(p, g, {', '.join(args)})")
     lines += _store_param(rounding)
     for i, fmt in enumerate(formats):
         if fmt is not None:
-            lines += _store_state(i, fmt, f"out[{i + 1}]")
+            lines += codecs.of(fmt).triton_store(i, fmt, f"out[{i + 1}]")
     return "\n".join(" " * 12 + line for line in lines)
 
 

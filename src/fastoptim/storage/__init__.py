@@ -1,6 +1,7 @@
 """How optimizer state is stored, written once for every level.
 
-A state tensor is kept in a *format*:
+A state tensor is kept in a *format*, each one a codec looked up by name (``storage.codecs``: what it makes,
+loads, stores, writes into checkpoints and gives the kernels; ``state_format=`` names it, ``state_bits=`` by width):
   * plain:  the param's dtype and shape (what torch.optim keeps; ``state_bits=32``);
   * 16-bit: bf16, the param's shape;
   * 8 / 4-bit: block-wise quantized codes and one fp32 absmax per block (``quant``), held in a
@@ -26,7 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from . import quant
+from . import codecs, quant
 from .state import PLAIN, Format, QuantizedState, is_dtensor as _is_dtensor
 
 STATE_BITS = (32, 16, 8, 4)
@@ -37,6 +38,20 @@ def check_state_bits(value: Any, where: str = "state_bits") -> int:
     if isinstance(value, bool) or value not in STATE_BITS:
         raise ValueError(f"Invalid {where}: {value!r} (must be one of {', '.join(map(str, STATE_BITS))})")
     return value
+
+
+def state_bits_of(state_bits: Any = None, state_format: Any = None) -> int:
+    """The ``state_bits`` that a constructor's ``state_bits=``/``state_format=`` name (32 when neither is given).
+    ``state_format`` is a codec's name or alias (``storage.codecs``); ``state_bits`` stays what param groups and
+    checkpoints carry, so both spellings give the same optimizer. Both given and naming different formats: a
+    ValueError naming both."""
+    if state_format is None:
+        return 32 if state_bits is None else check_state_bits(state_bits)
+    bits = codecs.lookup(state_format).bits
+    if state_bits is not None and check_state_bits(state_bits) != bits:
+        raise ValueError(f"state_bits={state_bits!r} and state_format={state_format!r} name different formats "
+                         f"(state_format={state_format!r} is state_bits={bits}); give one of them")
+    return bits
 
 
 def check_min_quant_size(value: Any) -> int:
@@ -131,30 +146,17 @@ def element_index(param: Tensor) -> Tensor:
 
 
 def format_for(p: Tensor, name: str, bits: int, min_quant_size: int, unsigned_states: frozenset) -> Format:
-    """The format a state of ``p`` is kept in at ``bits``: quantized widths only for params with >= 2 dims
-    and ``min_quant_size`` elements; complex params (stepped through their real view) stay plain."""
-    if bits == 32 or p.is_complex() or not p.is_floating_point():
+    """The format a state of ``p`` is kept in at ``bits`` (its codec decides: quantized widths only for params
+    with >= 2 dims and ``min_quant_size`` elements; complex params, stepped through their real view, stay
+    plain)."""
+    if p.is_complex() or not p.is_floating_point():
         return PLAIN
-    if bits == 16:
-        return Format(16)
-    if p.dim() < 2 or p.numel() < min_quant_size:
-        return PLAIN
-    return Format(bits, signed=name not in unsigned_states)
+    return codecs.for_bits(bits).format_for(p, name, min_quant_size, unsigned_states)
 
 
 def make(p: Tensor, fmt: Format, value: float) -> Tensor | QuantizedState:
     """A new state for ``p`` in ``fmt``, every element ``value`` (sharded like ``p`` when it is a DTensor)."""
-    if fmt.plain:
-        if p.is_complex():  # the update runs on the real view: both halves start at the value
-            value = complex(value, value)
-        return torch.full_like(p, value, memory_format=torch.preserve_format)
-    if fmt.bits == 16:
-        return torch.full_like(p, value, dtype=torch.bfloat16, memory_format=torch.contiguous_format)
-    if _is_dtensor(p):
-        local = p.to_local()
-        return QuantizedState.of(torch.full(local.shape, value, dtype=torch.float32, device=local.device),
-                                 fmt).sharded_like(p)
-    return QuantizedState.of(torch.full(p.shape, value, dtype=torch.float32, device=p.device), fmt)
+    return codecs.of(fmt).make(p, fmt, value)
 
 
 def pooled(shapes: list[torch.Size], formats: list[Format | None], device) -> tuple[list, tuple[Tensor, Tensor]]:
@@ -233,14 +235,12 @@ def nbytes(state: Any) -> int:
 
 def load(state: Tensor | QuantizedState, p: Tensor) -> Tensor:
     """A temporary of the param's dtype holding the state's values."""
-    if isinstance(state, QuantizedState):
-        return state.dequantize(p.dtype)
-    return state.to(p.dtype)
+    return codecs.of(state.fmt).load(state, p) if isinstance(state, QuantizedState) else state.to(p.dtype)
 
 
 def store(state: Tensor | QuantizedState, values: Tensor) -> None:
     if isinstance(state, QuantizedState):
-        state.store(values)
+        codecs.of(state.fmt).store(state, values)
     else:
         state.copy_(values)  # 16-bit: rounds to nearest
 
@@ -345,9 +345,7 @@ def export_entry(entry: dict) -> dict:
     out = {}
     for name, value in entry.items():
         if isinstance(value, QuantizedState):
-            out[name + CODES] = value.codes
-            out[name + ABSMAX] = value.absmax
-            out[name + FORMAT] = f"{value.fmt.tag} {list(value.shape)}"
+            out.update(codecs.of(value.fmt).entries(name, value))
         else:
             out[name] = value
     return out

@@ -11,19 +11,11 @@ tensor's dtype.
 
 from __future__ import annotations
 
-import math
-import struct
 from typing import Callable
 
+from ... import native
 
-def _literal(value: float) -> str:
-    """An exact C++ spelling of ``value`` rounded to fp32 (as torch rounds a Python scalar)."""
-    as_fp32 = struct.unpack("f", struct.pack("f", float(value)))[0]
-    if math.isnan(as_fp32):
-        return "NAN"
-    if math.isinf(as_fp32):
-        return "INFINITY" if as_fp32 > 0 else "-INFINITY"
-    return f"{as_fp32.hex()}f"
+_literal = native.float_literal  # shared with the codecs' C++ hooks
 
 
 class Sym:

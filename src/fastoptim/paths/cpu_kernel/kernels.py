@@ -43,7 +43,8 @@ from torch import Tensor
 
 from . import cpp_twin
 from ... import bulk, native, storage
-from ...storage import Format, quant
+from ...storage import Format, codecs, quant
+from ...storage.codecs.dynamic import cell_tables  # noqa: F401  (the 8-bit codec's AVX-512 tables)
 
 CXXFLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-shared",
             "-fPIC", "-std=c++17")
@@ -76,46 +77,6 @@ def _column_names(formats: Sequence[Format | None]) -> list[str]:
     return cols
 
 
-@lru_cache(maxsize=None)
-def cell_tables(qmap: quant.QuantMap) -> tuple[list[int], list[int], list[float]] | None:
-    """The AVX-512 8-bit encoder's tables for ``qmap`` (None where they do not fit: it then reads
-    ``quant.Encoder``'s table lane by lane: slower).
-
-    ``quant.Encoder`` cuts every octave of magnitudes into the same number of cells; here each octave (per
-    sign) takes the fewest leading mantissa bits that leave at most one boundary in a cell, so all cells fit
-    in 512 bytes. Per octave (index ``32 * sign + (exponent & 31)``): ``(adjust << 5) | shift``, the cell of
-    magnitude bits ``m`` being ``(m >> shift) + adjust``; per cell: its lowest code; and the 255 boundaries
-    and 2.0. A cell's code is its lowest code, plus one where the value is above the boundary that follows
-    that code (the one boundary inside the cell, if any). Checked here on every cell's ends with the
-    encoder itself."""
-    enc = quant.encoder(qmap)
-    first_exponent, last_exponent = enc.lowest >> 23, enc.highest >> 23
-    if qmap.bits != 8 or last_exponent - first_exponent >= 32:
-        return None
-
-    def codes(magnitudes: list[int], negative: bool) -> list[int]:
-        bits = torch.tensor(magnitudes, dtype=torch.int64) | ((1 << 31) if negative else 0)
-        bits = torch.where(bits >= 1 << 31, bits - (1 << 32), bits).to(torch.int32)
-        return enc.encode(bits.view(torch.float32)).tolist()
-
-    octaves, cells = [0] * 64, []
-    for sign in (0, 1):
-        for exponent in range(first_exponent, last_exponent + 1):
-            low, high = max(enc.lowest, exponent << 23), min(enc.highest, ((exponent + 1) << 23) - 1)
-            for shift in range(23, -1, -1):
-                index = range(low >> shift, (high >> shift) + 1)
-                at_low = codes([max(k << shift, low) for k in index], bool(sign))
-                at_high = codes([min(((k + 1) << shift) - 1, high) for k in index], bool(sign))
-                if all(abs(a - b) <= 1 for a, b in zip(at_low, at_high)):
-                    break
-            octaves[32 * sign + (exponent & 31)] = ((len(cells) - index[0]) << 5) | shift
-            cells += [min(a, b) for a, b in zip(at_low, at_high)]
-    if len(cells) > 512:
-        return None
-    bounds = qmap.boundaries().tolist() + [2.0]
-    return octaves, cells + [0] * (512 - len(cells)), bounds
-
-
 def kernel_source(update: Callable, flags: tuple, formats: tuple, n_scalars: int, has_grad_mul: bool) -> str:
     """C++ for one rule, FLAGS and state formats: the shipped template ``step_kernel.cpp`` filled with the rule's
     update (``cpp_twin``) and each state's load, store and codec. Its ``fo_step(table, n_tensors, begin, end,
@@ -134,64 +95,25 @@ def kernel_source(update: Callable, flags: tuple, formats: tuple, n_scalars: int
     writes += [f"top{k} = top{k} > magnitude_bits({outputs[1 + k]}) ? top{k} : magnitude_bits({outputs[1 + k]});"
                for k in quantized]
 
-    constants, codecs, loads, stores, probes = [], [], [], [], []
-    for k in active:
-        fmt = formats[k]
-        if fmt.bits == 16:
-            ptr = f"reinterpret_cast<uint16_t*>(row[{col[f's{k}']}]) + at"
-            loads.append(f"bf16_load({ptr}, n, S{k});")
-            stores.append(f"bf16_store(S{k}, n, {ptr});")
-            continue
-        tables, codec_constants = _codec_constants(k, fmt)
-        constants += codec_constants
-        codec = f"make_codec(maps[{2 * k}], maps[{2 * k + 1}], {tables}, {fmt.bits})"
-        codecs.append(f"const Codec codec{k} = {codec};")
-        codes = f"reinterpret_cast<uint8_t*>(row[{col[f's{k}_codes']}])"
-        codes += " + at" if fmt.bits == 8 else " + r * ((length + 1) / 2) + j * (BLOCK / 2)"
-        absmax = f"reinterpret_cast<float*>(row[{col[f's{k}_absmax']}])[r * nblocks + j]"
-        encode = _encoder(fmt, tables != "nullptr, nullptr, nullptr")
-        loads.append(f"decode{fmt.bits}({codes}, n, codec{k}, {absmax}, S{k});")
-        stores.append(f"{{ const float amax = from_bits(top{k}); "
-                      f"{encode}(S{k}, n, amax == 0.0f ? 1.0f : amax, codec{k}, {codes}); {absmax} = amax; }}")
-        probes.append(f"if (k == {k}) fo_probe({codec}, {encode}, decode{fmt.bits}, x, n, codes, absmax, out);")
+    constants, codec_lines, loads, stores, probes = [], [], [], [], []
+    for k in active:  # each state's codec gives its pieces (``storage.codecs``)
+        pieces = codecs.of(formats[k]).cpp(k, formats[k], col)
+        constants += pieces.constants
+        codec_lines += [pieces.codec] if pieces.codec else []
+        loads.append(pieces.load)
+        stores.append(pieces.store)
+        probes += [pieces.probe] if pieces.probe else []
 
     def indent(items, depth):
         return "\n".join(" " * depth + item for item in items)
 
     return native.assemble(
         "step_kernel.cpp", width=str(len(cols)), block=str(block), constants="\n".join(constants),
-        codecs=indent(codecs, 4), arrays=" ".join(f"alignas(64) float S{k}[BLOCK];" for k in active),
+        codecs=indent(codec_lines, 4), arrays=" ".join(f"alignas(64) float S{k}[BLOCK];" for k in active),
         tops=" ".join(f"uint32_t top{k} = 0;" for k in quantized), loads=indent(loads, 8),
         grad="G[i] * gm" if has_grad_mul else "G[i]",
         reads=indent([f"const float s{k}_ = S{k}[i];" for k in active], 12), body=indent(lines, 12),
         writes=indent(writes, 12), stores=indent(stores, 8), probes=indent(probes, 4))
-
-
-def _codec_constants(k: int, fmt: Format) -> tuple[str, list[str]]:
-    """``make_codec``'s table arguments for quantized state ``k`` (bounds, octaves, cells), and the constants
-    that hold them: the 4-bit map's boundaries; the AVX-512 8-bit encoder's cell tables (``cell_tables``)."""
-    if fmt.bits == 4:
-        literals = ", ".join(map(cpp_twin._literal, fmt.qmap.boundaries().tolist()))
-        return f"BOUNDS{k}, nullptr, nullptr", [f"static const float BOUNDS{k}[15] = {{{literals}}};"]
-    tables = cell_tables(fmt.qmap)
-    if tables is None:
-        return "nullptr, nullptr, nullptr", []
-    octave_table, cell_table, bound_table = tables
-    return f"BOUNDS{k}, OCTAVES{k}, CELLS{k}", [
-        f"static const int32_t OCTAVES{k}[64] = {{{', '.join(map(str, octave_table))}}};",
-        f"static const uint8_t CELLS{k}[512] = {{{', '.join(map(str, cell_table))}}};",
-        f"static const float BOUNDS{k}[256] = {{{', '.join(map(cpp_twin._literal, bound_table))}}};"]
-
-
-def _encoder(fmt: Format, has_cells: bool) -> str:
-    """The codec's encode for ``fmt``, its ``quant.Encoder`` constants and fast path as template arguments: 8 bits,
-    whether the cell tables are there; 4 bits, whether the map is the linear one (encoded by its formula)."""
-    enc = quant.encoder(fmt.qmap)
-    if fmt.bits == 4:
-        fast = fmt.qmap.boundaries().tolist() == [(k + 1.5) / 16 for k in range(15)]
-    else:
-        fast = has_cells
-    return f"encode{fmt.bits}<{enc.shift}, {enc.lowest}u, {enc.highest}u, {enc.half}, {str(fast).lower()}>"
 
 
 # --- building -------------------------------------------------------------------------------------------
