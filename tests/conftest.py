@@ -42,6 +42,12 @@ if os.environ.get("FASTOPTIM_TEST_DEVICES"):
     DEVICES = [d for d in os.environ["FASTOPTIM_TEST_DEVICES"].split(",") if d in DEVICES]
 
 
+@pytest.fixture(params=DEVICES)
+def device(request):
+    """Each device of ``DEVICES``, for a test that takes ``device`` (the integrations suite)."""
+    return request.param
+
+
 def make_params(seed=0, dtype=torch.float32, name=None, device="cpu"):
     """A mix of awkward params: 0-d, one element, empty, 2-D, 3-D, non-contiguous, plus a plain vector; for an
     optimizer of matrices (``name``'s registry entry says so) awkward matrices: tall, wide, 1x1, empty, shapes
