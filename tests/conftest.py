@@ -3,8 +3,15 @@ import math
 import os
 import sys
 
-import pytest
-import torch
+# Set before torch (and its OpenMP runtime) loads; the xdist workers inherit it. With `-n 2` on 2 cores each
+# worker's OpenMP threads share the cores with the other worker's, and the runtime's default idle policy spins a
+# while after every parallel region: torch's CPU fused kernels then took 20x longer on tiny tensors (an idle
+# thread spins on the core the next region's thread needs). PASSIVE makes idle threads sleep instead: the same
+# threads and the same code paths (the thread count is unchanged), without the spinning.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
 
@@ -26,11 +33,26 @@ FLAT = [name for name, spec in OPTIMIZERS.items()
                for n in spec.cls.rule.state_names)]
 NAME_FLAT = [(name, flat) for name in OPTIMIZERS for flat in (False, True) if not flat or name in FLAT]
 
+# The devices the device-parametrized tests (parity, stateful, low-bit, rounding, integrations) run on: the CPU,
+# plus CUDA where there is one. Only devices that exist are listed, so a CPU machine shows no skipped CUDA cases
+# (nothing hidden behind a skip); a GPU machine runs the same tests against the same oracles on its real kernels
+# (``-k cuda`` picks those out). FASTOPTIM_TEST_DEVICES=cuda (comma-separated) narrows the list.
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+if os.environ.get("FASTOPTIM_TEST_DEVICES"):
+    DEVICES = [d for d in os.environ["FASTOPTIM_TEST_DEVICES"].split(",") if d in DEVICES]
 
-def make_params(seed=0, dtype=torch.float32, name=None):
+
+@pytest.fixture(params=DEVICES)
+def device(request):
+    """Each device of ``DEVICES``, for a test that takes ``device`` (the integrations suite)."""
+    return request.param
+
+
+def make_params(seed=0, dtype=torch.float32, name=None, device="cpu"):
     """A mix of awkward params: 0-d, one element, empty, 2-D, 3-D, non-contiguous, plus a plain vector; for an
     optimizer of matrices (``name``'s registry entry says so) awkward matrices: tall, wide, 1x1, empty, shapes
-    shared and not, non-contiguous."""
+    shared and not, non-contiguous. The values are drawn on the CPU and moved to ``device``: the same numbers on
+    every device."""
     g = torch.Generator().manual_seed(seed)
     shapes = [(), (1,), (0,), (7, 5), (3, 4, 2), (33,)]
     if name is not None and OPTIMIZERS[name].params == "matrices":
@@ -38,8 +60,8 @@ def make_params(seed=0, dtype=torch.float32, name=None):
     elif name == "adafactor":  # torch.optim.Adafactor, the oracle, divides by zero on an empty param
         shapes.remove((0,))
         shapes.append((2, 3))
-    params = [torch.randn(s, generator=g, dtype=torch.float32).to(dtype) for s in shapes]
-    params.append(torch.randn(6, 9, generator=g).to(dtype).t())  # non-contiguous (transposed) param
+    params = [torch.randn(s, generator=g, dtype=torch.float32).to(device=device, dtype=dtype) for s in shapes]
+    params.append(torch.randn(6, 9, generator=g).to(device=device, dtype=dtype).t())  # non-contiguous param
     return [torch.nn.Parameter(p) for p in params]
 
 
@@ -103,7 +125,8 @@ def two_groups(params, opts):
 
 
 def set_grads(step, param_sets, seed=1, none_every=3):
-    """Same grads for every param set; one param has grad None every few steps (it must be skipped)."""
+    """Same grads for every param set (drawn on the CPU, put on each param's device); one param has grad None
+    every few steps (it must be skipped)."""
     g = torch.Generator().manual_seed(seed * 1000 + step)
     for i, ref in enumerate(param_sets[0]):
         if i == 1 and step % none_every == 0:
@@ -114,7 +137,7 @@ def set_grads(step, param_sets, seed=1, none_every=3):
                 grad = torch.randn(tuple(reversed(ref.shape)), generator=g).t()
         for params in param_sets:
             p = params[i]
-            p.grad = None if grad is None else grad.to(p.dtype).clone()
+            p.grad = None if grad is None else grad.to(device=p.device, dtype=p.dtype, copy=True)
 
 
 @pytest.fixture(autouse=True)

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import fastoptim
-from conftest import FLAT, assert_params_close, shapes_for
+from conftest import DEVICES, FLAT, assert_params_close, shapes_for
 from fastoptim import storage
 from fastoptim.levels import LEVELS, record_paths
 from fastoptim.registry import OPTIMIZERS
@@ -27,17 +27,18 @@ STEP_ERROR_LION = {16: 0.08, 8: 0.18, 4: 0.6}
 SHAPES = [(48, 80), (80,), (3, 5)]  # quantized at min_quant_size=0: the matrices; 1-D stays 32-bit
 
 
-def _params(seed=0, shapes=SHAPES, name=None):
-    """Params of ``shapes`` (for an optimizer of matrices, ``name``'s, matrices of the same sizes)."""
+def _params(seed=0, shapes=SHAPES, name=None, device="cpu"):
+    """Params of ``shapes`` (for an optimizer of matrices, ``name``'s, matrices of the same sizes) on ``device``,
+    drawn on the CPU (the same numbers on every device), and the generator that draws their grads."""
     g = torch.Generator().manual_seed(seed)
     if name is not None:
         shapes = shapes_for(name, shapes)
-    return [torch.nn.Parameter(torch.randn(s, generator=g)) for s in shapes], g
+    return [torch.nn.Parameter(torch.randn(s, generator=g).to(device)) for s in shapes], g
 
 
 def _grads(g, *param_lists, scale=1.0):
     for ps in zip(*param_lists):
-        grad = torch.randn(ps[0].shape, generator=g) * scale
+        grad = torch.randn(ps[0].shape, generator=g).to(ps[0].device) * scale
         for p in ps:
             p.grad = grad.clone()
 
@@ -46,11 +47,12 @@ def _option(name):
     return OPTIMIZERS[name].option_sets[1]
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("bits", BITS)
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
-def test_per_step_error_against_32_bit_with_state_resynced(name, bits):
+def test_per_step_error_against_32_bit_with_state_resynced(name, bits, device):
     spec = OPTIMIZERS[name]
-    full_p, g = _params(0, name=name)
+    full_p, g = _params(0, name=name, device=device)
     low_p = [torch.nn.Parameter(p.detach().clone()) for p in full_p]
     full = spec.cls(full_p, impl="loop", **_option(name))
     low = spec.cls(low_p, impl="loop", state_bits=bits, min_quant_size=0, **_option(name))
@@ -119,11 +121,12 @@ def test_every_level_steps_low_bit_state_as_the_loop_level_does(name, level, bit
         assert any(isinstance(v, storage.QuantizedState) for s in base.state.values() for v in s.values())
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("bits", BITS)
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
-def test_save_load_continue_is_bit_identical_and_the_state_dict_round_trips_byte_exactly(name, bits):
+def test_save_load_continue_is_bit_identical_and_the_state_dict_round_trips_byte_exactly(name, bits, device):
     spec = OPTIMIZERS[name]
-    a_p, g = _params(2, name=name)
+    a_p, g = _params(2, name=name, device=device)
     b_p = [torch.nn.Parameter(p.detach().clone()) for p in a_p]
     a = spec.cls(a_p, state_bits=bits, min_quant_size=0, **_option(name))
     for _ in range(3):
@@ -155,9 +158,10 @@ def test_save_load_continue_is_bit_identical_and_the_state_dict_round_trips_byte
         assert all(torch.equal(p, q) for p, q in zip(a_p, b_p))
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("bits", BITS)
-def test_torch_checkpoints_load_into_low_bit_and_export_back_to_torch(bits):
-    torch_p, g = _params(3)
+def test_torch_checkpoints_load_into_low_bit_and_export_back_to_torch(bits, device):
+    torch_p, g = _params(3, device=device)
     ours_p = [torch.nn.Parameter(p.detach().clone()) for p in torch_p]
     ref = torch.optim.AdamW(torch_p, lr=1e-2, foreach=False)
     for _ in range(2):
@@ -213,11 +217,12 @@ def test_state_memory_at_8_and_4_bits():
     assert sizes[8] / sizes[32] <= 0.27 and sizes[4] / sizes[32] <= 0.15, sizes
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("bits", BITS)
 @pytest.mark.parametrize("first", [True, False])
-def test_a_step_grad_scaler_skips_leaves_the_stored_state_as_it_was(bits, first):
+def test_a_step_grad_scaler_skips_leaves_the_stored_state_as_it_was(bits, first, device):
     """Re-quantizing dequantized values need not give the same codes: a skipped step must store nothing."""
-    ps, g = _params(4)
+    ps, g = _params(4, device=device)
     opt = fastoptim.AdamW(ps, lr=1e-2, state_bits=bits, min_quant_size=0)
     if not first:
         _grads(g, ps)
@@ -225,8 +230,8 @@ def test_a_step_grad_scaler_skips_leaves_the_stored_state_as_it_was(bits, first)
     before = copy.deepcopy(opt.state_dict())
     params_before = [p.detach().clone() for p in ps]
     _grads(g, ps)
-    opt.grad_scale = torch.tensor(1.0)
-    opt.found_inf = torch.tensor(1.0)
+    opt.grad_scale = torch.tensor(1.0, device=device)
+    opt.found_inf = torch.tensor(1.0, device=device)
     opt.step()
     del opt.grad_scale, opt.found_inf
     after = opt.state_dict()

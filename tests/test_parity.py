@@ -1,10 +1,18 @@
-"""Every optimizer x option set x level matches torch.optim (single-tensor) after each of 20 steps."""
+"""Every optimizer x option set x level matches torch.optim (single-tensor) after each of 20 steps, on every
+device there is (conftest.DEVICES: the CPU, plus CUDA where available).
+
+The oracles' runs are shared: torch.optim's run of one (optimizer, option set, device) and the loop level's are
+computed once per test process (``_reference_run``, ``_loop_run``) and every level's test compares with the same
+numbers. They are deterministic (the grads come from seeded generators), so each level is checked against exactly
+what it was checked against when each test ran its own oracle; only the repeated oracle runs are gone."""
+
+from functools import lru_cache
 
 import pytest
 import torch
 
-from conftest import (CASES, ELEMENTWISE, FLAT, MATRIX, assert_params_close, assert_state_close, clone_params, make_params,
-                      param_atol, set_grads, shape_for, two_groups)
+from conftest import (CASES, DEVICES, ELEMENTWISE, FLAT, MATRIX, assert_params_close, assert_state_close, clone_params,
+                      make_params, param_atol, set_grads, shape_for, two_groups)
 from fastoptim.levels import LEVELS, uses_triton
 from fastoptim.registry import OPTIMIZERS
 from fastoptim.reference import ReferenceLion, reference_class, reference_kwargs
@@ -12,19 +20,49 @@ from fastoptim.reference import ReferenceLion, reference_class, reference_kwargs
 STEPS = 20
 
 
-def _pair(name, index, level, dtype=torch.float32, flat=False):
+def _frozen(params, state_of):
+    """Copies of ``params`` and of each one's state (``state_of(p)``), so a shared run cannot be changed."""
+    return ([p.detach().clone() for p in params],
+            [{k: v.detach().clone() if isinstance(v, torch.Tensor) else v for k, v in state_of(p).items()}
+             for p in params])
+
+
+@lru_cache(maxsize=16)
+def _reference_run(name, index, device, steps, none_every):
+    """torch.optim's run (``fastoptim.reference`` where torch has no class) of one option set on the test params:
+    the params and state after each step. ``set_grads`` draws the grads from the step number alone, so a level's
+    run given the same ``set_grads`` calls sees the same grads."""
     spec = OPTIMIZERS[name]
     opts = spec.option_sets[index]
-    ours_p = make_params(name=name, dtype=dtype)
-    ref_p = clone_params(ours_p)
-    ours = spec.cls(two_groups(ours_p, opts), impl=level, flat=flat, **opts)
+    ref_p = make_params(name=name, device=device)
     ref = reference_class(spec)(two_groups(ref_p, opts), **opts, **reference_kwargs(spec))
-    return ours, ours_p, ref, ref_p
+    after = []
+    for step in range(1, steps + 1):
+        set_grads(step, [ref_p], none_every=none_every)
+        ref.step()
+        after.append(_frozen(ref_p, lambda p: ref.state[p]))
+    return after
 
 
-def _assert_state_close(ours, ref, ours_p, ref_p, **tol):
-    for a, b in zip(ours_p, ref_p):
-        sa, sb = ours.state[a], ref.state[b]
+@lru_cache(maxsize=16)
+def _loop_run(name, index, device, steps):
+    """The loop level's run of one option set (params and state after each step): level parity's oracle."""
+    spec = OPTIMIZERS[name]
+    opts = spec.option_sets[index]
+    base_p = make_params(name=name, device=device)
+    base = spec.cls(two_groups(base_p, opts), impl="loop", **opts)
+    after = []
+    for step in range(1, steps + 1):
+        set_grads(step, [base_p])
+        base.step()
+        after.append(_frozen(base_p, lambda p: base.state[p]))
+    return after
+
+
+def _assert_state_close(ours, ours_p, expected_states, **tol):
+    """``ours``' state of each param against the oracle's (``expected_states``, one dict per param)."""
+    for a, sb in zip(ours_p, expected_states, strict=True):
+        sa = ours.state[a]
         for k, vb in sb.items():
             if k == "step" or k in ours.rule.host_states:  # host numbers here, 0-d tensors in torch
                 assert float(sa[k]) == float(vb), k
@@ -32,35 +70,44 @@ def _assert_state_close(ours, ref, ours_p, ref_p, **tol):
                 assert_state_close(sa[k], vb, msg=f"state {k!r}", **tol)
 
 
-@pytest.mark.parametrize("name,index,level", MATRIX)
-def test_matches_reference_every_step(name, index, level):
-    ours, ours_p, ref, ref_p = _pair(name, index, level)
-    atol = param_atol(name, OPTIMIZERS[name].option_sets[index])  # (1e-6 but for bf16 Newton-Schulz: conftest)
-    for step in range(1, STEPS + 1):
-        set_grads(step, [ours_p, ref_p])
+def _run_against_reference(name, index, level, device, steps, none_every, flat=False, atol=1e-6):
+    """``level``'s run against ``_reference_run``: params after every step, state at the end."""
+    spec = OPTIMIZERS[name]
+    opts = spec.option_sets[index]
+    expected = _reference_run(name, index, device, steps, none_every)
+    ours_p = make_params(name=name, device=device)
+    ours = spec.cls(two_groups(ours_p, opts), impl=level, flat=flat, **opts)
+    for step in range(1, steps + 1):
+        set_grads(step, [ours_p], none_every=none_every)
         ours.step()
-        ref.step()
-        for i, (a, b) in enumerate(zip(ours_p, ref_p)):
+        for i, (a, b) in enumerate(zip(ours_p, expected[step - 1][0], strict=True)):
             torch.testing.assert_close(a, b, atol=atol, rtol=1e-5, msg=lambda m: f"step {step}, param {i}: {m}")
-    _assert_state_close(ours, ref, ours_p, ref_p, atol=1e-6, rtol=1e-5)
+    _assert_state_close(ours, ours_p, expected[-1][1], atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name,index,level", MATRIX)
+def test_matches_reference_every_step(name, index, level, device):
+    atol = param_atol(name, OPTIMIZERS[name].option_sets[index])  # (1e-6 but for bf16 Newton-Schulz: conftest)
+    _run_against_reference(name, index, level, device, STEPS, none_every=3, atol=atol)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("level", LEVELS)
 @pytest.mark.parametrize("name,index", CASES)
-def test_levels_agree_on_params_and_state(name, index, level):
+def test_levels_agree_on_params_and_state(name, index, level, device):
     """Level parity: each level against the loop level, params and state, every step."""
     spec = OPTIMIZERS[name]
     opts = spec.option_sets[index]
-    base_p = make_params(name=name)
-    other_p = clone_params(base_p)
-    base = spec.cls(two_groups(base_p, opts), impl="loop", **opts)
+    expected = _loop_run(name, index, device, 7)
+    other_p = make_params(name=name, device=device)
     other = spec.cls(two_groups(other_p, opts), impl=level, **opts)
     for step in range(1, 8):
-        set_grads(step, [base_p, other_p])
-        base.step()
+        set_grads(step, [other_p])
         other.step()
+        base_p, base_state = expected[step - 1]
         assert_params_close(base_p, other_p)
-        _assert_state_close(other, base, other_p, base_p, atol=1e-6, rtol=1e-5)
+        _assert_state_close(other, other_p, base_state, atol=1e-6, rtol=1e-5)
 
 
 # --- 16-bit params and state -------------------------------------------------------------------------------
@@ -237,9 +284,10 @@ def _round_once_oracle(spec, opts, before, grads, dtype):
 
 def _low_precision_grads(step, params, scales, dtype):
     """Grads spanning three decades per element (a scale fixed per element, as real grads keep theirs), so
-    eps, the weight decay and lr_decay each dominate somewhere; param 1 has none every third step."""
+    eps, the weight decay and lr_decay each dominate somewhere; param 1 has none every third step. Drawn on the
+    CPU, put on each param's device."""
     g = torch.Generator().manual_seed(7000 + step)
-    grads = [(torch.randn(p.shape, generator=g) * s).to(dtype) for p, s in zip(params, scales)]
+    grads = [(torch.randn(p.shape, generator=g) * s).to(device=p.device, dtype=dtype) for p, s in zip(params, scales)]
     if step % 3 == 0:
         grads[1] = None
     return grads
@@ -255,10 +303,11 @@ def _assert_within(actual, expected, bound, what):
                              f"|diff| {diff.flatten()[i].item():.3g} > bound {bound.flatten()[i].item():.3g}")
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("level", LEVELS)
 @pytest.mark.parametrize("name", ELEMENTWISE)  # (the per-op bounds run ``update``; staged rules: test_stages.py)
-def test_low_precision_params_track_torch(name, level, dtype):
+def test_low_precision_params_track_torch(name, level, dtype, device):
     """bf16/fp16 params with state in the param dtype (as torch keeps it), two oracles, every step.
 
     (a) Tight, one step at a time. From the level's own 16-bit params and state before each step, torch.optim's
@@ -284,14 +333,14 @@ def test_low_precision_params_track_torch(name, level, dtype):
     spec = OPTIMIZERS[name]
     rule = spec.cls.rule
     opts = {**LOW_PRECISION_OPTIONS[name], **(FP16_OPTIONS.get(name, {}) if dtype == torch.float16 else {})}
-    params = make_params(name=name, dtype=dtype)
+    params = make_params(name=name, dtype=dtype, device=device)
     g = torch.Generator().manual_seed(11)
     scales = [torch.pow(10.0, torch.empty(p.shape).uniform_(-3, 0, generator=g)) for p in params]
     opt = spec.cls(two_groups(params, opts), impl=level, **opts)
     groups = [grp for grp in opt.param_groups for _ in grp["params"]]
     # under TRITON_INTERPRET=1 the fused level runs Triton's interpreter on these CPU tensors, which truncates
     # float32 to bf16 (DESIGN.md); a GPU rounds to nearest
-    fmt = _rounding_format(dtype, truncating=level == "fused" and dtype == torch.bfloat16
+    fmt = _rounding_format(dtype, truncating=level == "fused" and dtype == torch.bfloat16 and device == "cpu"
                            and uses_triton(torch.device("cpu")))
     exact_p = [torch.nn.Parameter(p.detach().double()) for p in params]
     extra = reference_kwargs(spec) if spec.reference else {"compute_dtype": torch.float64}
@@ -348,18 +397,19 @@ def test_low_precision_params_track_torch(name, level, dtype):
                 assert v.dtype == dtype, (name, k)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("level", LEVELS)
 @pytest.mark.parametrize("name", ["sgd", "adam", "rmsprop", "adagrad"])
-def test_complex_params_match_torch(name, level):
+def test_complex_params_match_torch(name, level, device):
     spec = OPTIMIZERS[name]
     opts = spec.option_sets[1]
     g = torch.Generator().manual_seed(3)
-    ours_p = [torch.nn.Parameter(torch.randn(4, 3, dtype=torch.complex64, generator=g))]
+    ours_p = [torch.nn.Parameter(torch.randn(4, 3, dtype=torch.complex64, generator=g).to(device))]
     ref_p = clone_params(ours_p)
     ours = spec.cls(ours_p, impl=level, **opts)
     ref = reference_class(spec)(ref_p, **opts, **reference_kwargs(spec))
     for _ in range(5):
-        grad = torch.randn(4, 3, dtype=torch.complex64, generator=g)
+        grad = torch.randn(4, 3, dtype=torch.complex64, generator=g).to(device)
         ours_p[0].grad, ref_p[0].grad = grad.clone(), grad.clone()
         ours.step()
         ref.step()
@@ -403,9 +453,10 @@ def test_lion_levels_compute_the_fp32_published_loop_and_differ_from_float64_by_
     assert fp32.tolist() == [0.0, -2 * lr, -2 * lr] and fp64.tolist() == [-2 * lr, -2 * lr, -2 * lr], (fp32, fp64)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("level", LEVELS)
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
-def test_cache_blocked_large_tensors_match_torch(name, level):
+def test_cache_blocked_large_tensors_match_torch(name, level, device):
     """Tensors larger than a CPU block run piece by piece; contiguous, transposed and ragged sizes (for Muon,
     matrices of the same sizes)."""
     from fastoptim.paths.blocking import BLOCK_NUMEL
@@ -414,32 +465,26 @@ def test_cache_blocked_large_tensors_match_torch(name, level):
     g = torch.Generator().manual_seed(5)
     tensors = [torch.randn(shape_for(name, (3 * BLOCK_NUMEL + 17,)), generator=g),
                torch.randn(BLOCK_NUMEL // 7, 9, generator=g).t(), torch.randn(shape_for(name, (5,)), generator=g)]
-    ours_p = [torch.nn.Parameter(t) for t in tensors]
+    ours_p = [torch.nn.Parameter(t.to(device)) for t in tensors]
     ref_p = clone_params(ours_p)
     ours = spec.cls(ours_p, impl=level, **opts)
     ref = reference_class(spec)(ref_p, **opts, **reference_kwargs(spec))
     for _ in range(3):
         for a, b in zip(ours_p, ref_p):
-            a.grad = torch.randn(a.shape, generator=g)
+            a.grad = torch.randn(a.shape, generator=g).to(device)
             b.grad = a.grad.clone()
         ours.step()
         ref.step()
     assert_params_close(ours_p, ref_p)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name,index,level", [(n, i, lv) for n, i, lv in MATRIX if n in FLAT])
-def test_flat_mode_matches_reference_every_step(name, index, level):
+def test_flat_mode_matches_reference_every_step(name, index, level, device):
     """flat=True: params, grads and states as views of one buffer per bucket; same numbers as torch.
     (Every param has a grad here; None grads: tests/test_flat_semantics.py.) Adafactor refuses flat=True
     (test_adafactor_refuses_flat_mode)."""
-    ours, ours_p, ref, ref_p = _pair(name, index, level, flat=True)
-    for step in range(1, 11):
-        set_grads(step, [ours_p, ref_p], none_every=10 ** 9)
-        ours.step()
-        ref.step()
-        for i, (a, b) in enumerate(zip(ours_p, ref_p)):
-            torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5, msg=lambda m: f"step {step}, param {i}: {m}")
-    _assert_state_close(ours, ref, ours_p, ref_p, atol=1e-6, rtol=1e-5)
+    _run_against_reference(name, index, level, device, 10, none_every=10 ** 9, flat=True)
 
 
 @pytest.mark.parametrize("level", LEVELS)

@@ -2,7 +2,10 @@
 
 With stochastic or Kahan rounding a 16-bit param steps through fp32 temporaries (the rule's math in fp32) and
 is rounded back: stochastically (unbiased, from a random stream kept in the optimizer state) or to nearest
-with a 16-bit compensation buffer that keeps what rounding lost."""
+with a 16-bit compensation buffer that keeps what rounding lost.
+
+The numeric tests run on every device there is (conftest.DEVICES); random values are drawn on the CPU and moved,
+so each device gets the same numbers."""
 
 import copy
 
@@ -10,16 +13,18 @@ import pytest
 import torch
 
 import fastoptim
+from conftest import DEVICES
 from fastoptim import storage
 from fastoptim.levels import LEVELS, record_paths
 
 BF16_ULP_AT_1 = 2 ** -7
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("value", [1.0 + 2 ** -9, -(1.0 + 3 * 2 ** -10), 3.14159, -2.5e-30, 1e30, 0.7 + 1e-4])
-def test_stochastic_rounding_is_unbiased_and_picks_a_neighbour(value):
+def test_stochastic_rounding_is_unbiased_and_picks_a_neighbour(value, device):
     n = 1 << 20
-    x = torch.full((n,), value, dtype=torch.float32)
+    x = torch.full((n,), value, dtype=torch.float32, device=device)
     r = storage.stochastic_round(x, key=987654321).float()
     down = x.to(torch.bfloat16).float()[0].item()  # one neighbour (to nearest), the other one ulp away
     below = torch.tensor(value).to(torch.bfloat16)
@@ -31,24 +36,26 @@ def test_stochastic_rounding_is_unbiased_and_picks_a_neighbour(value):
     assert abs(mean - value) < 5 * se, (mean, value, se)
 
 
-def test_stochastic_rounding_keeps_exact_values_nan_and_inf():
-    x = torch.tensor([1.0, -2.0, 0.0, -0.0, float("inf"), -float("inf"), float("nan"), 2 ** -133])
+@pytest.mark.parametrize("device", DEVICES)
+def test_stochastic_rounding_keeps_exact_values_nan_and_inf(device):
+    x = torch.tensor([1.0, -2.0, 0.0, -0.0, float("inf"), -float("inf"), float("nan"), 2 ** -133], device=device)
     r = storage.stochastic_round(x, key=5)
     assert r.float()[:6].tolist() == [1.0, -2.0, 0.0, -0.0, float("inf"), -float("inf")]
     assert torch.isnan(r[6]) and r.dtype == torch.bfloat16
 
 
-def test_the_random_stream_depends_on_the_key_and_the_element_only():
-    x = torch.full((4096,), 1.0 + 2 ** -9)
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_random_stream_depends_on_the_key_and_the_element_only(device):
+    x = torch.full((4096,), 1.0 + 2 ** -9, device=device)
     a, b, c = (storage.stochastic_round(x, key=k) for k in (1, 1, 2))
     assert torch.equal(a, b) and not torch.equal(a, c)
     assert torch.equal(storage.stochastic_round(x.view(64, 64), key=1).view(-1), a)
 
 
-def _descend(mode: str, impl: str, steps: int = 200, name: str = "SGD", **kw):
+def _descend(mode: str, impl: str, steps: int = 200, name: str = "SGD", device="cpu", **kw):
     """Updates of 1e-4 a step on params of 1.0, far below bf16's ulp there (2**-7)."""
     dtype = torch.float32 if mode == "fp32" else torch.bfloat16
-    p = torch.nn.Parameter(torch.ones(32, 96, dtype=dtype))
+    p = torch.nn.Parameter(torch.ones(32, 96, dtype=dtype, device=device))
     opt = getattr(fastoptim, name)([p], lr=1e-4, impl=impl, rounding="nearest" if mode == "fp32" else mode, **kw)
     for _ in range(steps):
         p.grad = torch.ones_like(p)
@@ -56,42 +63,45 @@ def _descend(mode: str, impl: str, steps: int = 200, name: str = "SGD", **kw):
     return p.detach().float(), opt
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("impl", LEVELS)
-def test_stochastic_and_kahan_follow_fp32_where_nearest_stalls_at_every_level(impl):
-    fp32, _ = _descend("fp32", impl)
-    nearest, _ = _descend("nearest", impl)
+def test_stochastic_and_kahan_follow_fp32_where_nearest_stalls_at_every_level(impl, device):
+    fp32, _ = _descend("fp32", impl, device=device)
+    nearest, _ = _descend("nearest", impl, device=device)
     assert torch.equal(nearest, torch.ones_like(nearest))  # every update rounds away
     # measured, as a share of the distance fp32 travels (0.02): stochastic 0.9 %, Kahan 2.4 % (its 16-bit
     # compensation rounds the same way every step here, so its error adds up)
     for mode, share in (("stochastic", 0.02), ("kahan", 0.05)):
-        got, opt = _descend(mode, impl)
+        got, opt = _descend(mode, impl, device=device)
         gap = (got.mean() - fp32.mean()).abs().item()
         assert gap < share * (1 - fp32.mean().item()), (mode, got.mean().item(), fp32.mean().item())
         assert set(opt.state[opt.param_groups[0]["params"][0]]) == {storage.KAHAN if mode == "kahan" else storage.RNG}
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("mode", ["stochastic", "kahan"])
-def test_every_level_rounds_the_same_numbers(mode):
+def test_every_level_rounds_the_same_numbers(mode, device):
     """SGD with momentum: one rounding per operation in fp32 at every level, so every level agrees exactly."""
     results = {}
     for impl in LEVELS:
         g = torch.Generator().manual_seed(0)
-        p = torch.nn.Parameter(torch.randn(40, 70, generator=g).to(torch.bfloat16))
+        p = torch.nn.Parameter(torch.randn(40, 70, generator=g).to(device, torch.bfloat16))
         opt = fastoptim.SGD([p], lr=1e-3, momentum=0.9, impl=impl, rounding=mode)
         for _ in range(5):
-            p.grad = torch.randn(p.shape, generator=g).to(torch.bfloat16)
+            p.grad = torch.randn(p.shape, generator=g).to(device, torch.bfloat16)
             opt.step()
         results[impl] = p.detach().clone()
     for impl in LEVELS:
         assert torch.equal(results[impl], results["loop"]), impl
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("bits", [32, 8])
 @pytest.mark.parametrize("mode", ["stochastic", "kahan"])
-def test_save_load_continue_is_bit_identical(mode, bits):
+def test_save_load_continue_is_bit_identical(mode, bits, device):
     g = torch.Generator().manual_seed(1)
-    params = [torch.nn.Parameter(torch.randn(s, generator=g).to(torch.bfloat16)) for s in [(64, 80), (80,)]]
-    grads = [[torch.randn(p.shape, generator=g).to(torch.bfloat16) for p in params] for _ in range(6)]
+    params = [torch.nn.Parameter(torch.randn(s, generator=g).to(device, torch.bfloat16)) for s in [(64, 80), (80,)]]
+    grads = [[torch.randn(p.shape, generator=g).to(device, torch.bfloat16) for p in params] for _ in range(6)]
     kw = dict(lr=1e-3, rounding=mode, state_bits=bits, min_quant_size=0)
 
     def run(ps, opt, steps):
@@ -172,14 +182,15 @@ def test_low_bit_state_with_stochastic_rounding_runs_the_staged_path():
     assert isinstance(opt.state[p]["exp_avg"], storage.QuantizedState)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("impl", LEVELS)
-def test_bf16_params_with_quantized_state_step_in_fp32_and_round_once(impl, bits):
+def test_bf16_params_with_quantized_state_step_in_fp32_and_round_once(impl, bits, device):
     """bf16 params whose states are quantized: the rule's math runs in fp32 on the dequantized states and the
     param is rounded to nearest once, so each step equals an fp32 twin's step (same codes loaded) rounded once
     (bf16 temporaries would round the states and every operation on the way)."""
     g = torch.Generator().manual_seed(2)
-    p = torch.nn.Parameter(torch.randn(40, 300, generator=g).to(torch.bfloat16))
+    p = torch.nn.Parameter(torch.randn(40, 300, generator=g).to(device, torch.bfloat16))
     twin = torch.nn.Parameter(p.detach().float())
     kw = dict(lr=1e-2, weight_decay=0.1, state_bits=bits, min_quant_size=0, impl=impl)
     opt, ref = fastoptim.AdamW([p], **kw), fastoptim.AdamW([twin], **kw)
@@ -188,7 +199,7 @@ def test_bf16_params_with_quantized_state_step_in_fp32_and_round_once(impl, bits
             twin.copy_(p.float())
         if opt.state:
             ref.load_state_dict(opt.state_dict())
-        grad = torch.randn(p.shape, generator=g).to(torch.bfloat16)
+        grad = torch.randn(p.shape, generator=g).to(device, torch.bfloat16)
         p.grad, twin.grad = grad, grad.float()
         opt.step()
         ref.step()
@@ -238,18 +249,20 @@ def test_complex32_params_with_stochastic_or_kahan_rounding_are_refused_by_name(
         assert not opt.state
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("mode", ["stochastic", "kahan"])
-def test_clipping_in_the_step_rounds_the_same_numbers_at_every_level(mode):
+def test_clipping_in_the_step_rounds_the_same_numbers_at_every_level(mode, device):
     """max_grad_norm's factor comes from the bf16 grads' norm; the fp32 temporaries step with it at every level
     (torch's fused kernels take it only as fp32)."""
     results = {}
     for impl in LEVELS:
         g = torch.Generator().manual_seed(0)
-        w = torch.nn.Parameter(torch.randn(64, 96, generator=g).to(torch.bfloat16))
-        b = torch.nn.Parameter(torch.randn(96, generator=g).to(torch.bfloat16))
+        w = torch.nn.Parameter(torch.randn(64, 96, generator=g).to(device, torch.bfloat16))
+        b = torch.nn.Parameter(torch.randn(96, generator=g).to(device, torch.bfloat16))
         opt = fastoptim.AdamW([w, b], lr=1e-3, impl=impl, rounding=mode, max_grad_norm=1.0, state_bits=8)
         for _ in range(3):
-            w.grad, b.grad = torch.randn(w.shape, generator=g).bfloat16(), torch.randn(b.shape, generator=g).bfloat16()
+            w.grad = torch.randn(w.shape, generator=g).to(device, torch.bfloat16)
+            b.grad = torch.randn(b.shape, generator=g).to(device, torch.bfloat16)
             opt.step()
         results[impl] = (w.detach().clone(), b.detach().clone())
     for impl, (w, b) in results.items():

@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule, \
     run_state_machine_as_test
 
-from conftest import ELEMENTWISE, FLAT, assert_state_close, shapes_for
+from conftest import DEVICES, ELEMENTWISE, FLAT, assert_state_close, shapes_for
 from fastoptim import storage
 from fastoptim.levels import LEVELS, record_paths
 from fastoptim.registry import OPTIMIZERS
@@ -59,6 +59,7 @@ class UserProgram(RuleBasedStateMachine):
     level = "loop"          # set per test by a subclass
     expected_path = None    # a path every step must take, where a level promises one
     state_bits = 32         # below 32: torch's twin keeps each state as the storage would (``_as_stored``)
+    device = "cpu"          # where params, grads and state live (conftest.DEVICES); draws are made on the CPU
 
     @initialize(name=st.sampled_from(sorted(OPTIMIZERS)), option=st.integers(0, 3), flat=st.booleans(),
                 seed=st.integers(0, 2 ** 16))
@@ -79,7 +80,7 @@ class UserProgram(RuleBasedStateMachine):
                 self.opts = dict(spec.option_sets[0])  # (centered RMSprop: refused by name, tested apart)
         self.flat, self.low = flat, low
         self.gen = torch.Generator().manual_seed(seed)
-        self.ours_p = [torch.nn.Parameter(torch.randn(s, generator=self.gen)) for s in self.shapes(SHAPES)]
+        self.ours_p = [torch.nn.Parameter(self._draw(s)) for s in self.shapes(SHAPES)]
         self.ref_p = [torch.nn.Parameter(p.detach().clone()) for p in self.ours_p]
         self.ours = spec.cls(self._groups(self.ours_p), impl=self.level, flat=flat, **low, **self.opts)
         self.ref = reference_class(spec)(self._groups(self.ref_p), **self.opts, **reference_kwargs(spec))
@@ -87,6 +88,11 @@ class UserProgram(RuleBasedStateMachine):
         self.added = 0
         self.defer_check = False
         self._as_stored()  # (Adagrad makes its state at once)
+
+    def _draw(self, shape, rand=torch.randn):
+        """Random values from the program's generator (on the CPU: the same numbers on every device), on the
+        program's device."""
+        return rand(shape, generator=self.gen).to(self.device)
 
     def _groups(self, params):
         return [{"params": params[:2]}, {"params": params[2:], "lr": self.opts.get("lr", 1e-3) * 0.5}]
@@ -103,7 +109,7 @@ class UserProgram(RuleBasedStateMachine):
             if not present[i]:
                 a.grad = b.grad = None
                 continue
-            g = torch.randn(a.shape, generator=self.gen) * scale
+            g = self._draw(a.shape) * scale
             if inf and i == data.draw(st.integers(0, n - 1), label="inf param"):
                 g.view(-1)[0] = float("inf")
             if in_place and a.grad is not None:
@@ -135,9 +141,10 @@ class UserProgram(RuleBasedStateMachine):
     @rule(data=st.data(), inf=st.booleans(), defer=st.booleans())
     def grad_scaler_step(self, data, inf, defer):
         if self.scalers is None:  # growth every 2 good steps: the scale moves both ways
-            self.scalers = [torch.amp.GradScaler("cpu", init_scale=2.0 ** 6, growth_interval=2) for _ in range(2)]
+            self.scalers = [torch.amp.GradScaler(self.device, init_scale=2.0 ** 6, growth_interval=2)
+                            for _ in range(2)]
             for s in self.scalers:
-                s.scale(torch.ones(()))
+                s.scale(torch.ones((), device=self.device))
         ours_s, ref_s = self.scalers
         self._set_grads(data, scale=ours_s.get_scale(), inf=inf, at_least_one=True)
         # skipped where an inf really went in (the draw may have picked a param without a grad)
@@ -178,7 +185,7 @@ class UserProgram(RuleBasedStateMachine):
         name = data.draw(st.sampled_from(names), label="state")
         # the saved state scaled down elementwise: a state that was valid stays so (second moments >= 0, and
         # centered RMSprop's grad_avg**2 <= square_avg, which random values would break: sqrt of < 0 is NaN)
-        value = ref_state[name].detach() * (0.5 + 0.5 * torch.rand(ref_state[name].shape, generator=self.gen))
+        value = ref_state[name].detach() * (0.5 + 0.5 * self._draw(ref_state[name].shape, torch.rand))
         self.ours.state[self.ours_p[i]][name] = value.clone()
         ref_state[name] = value.clone()  # (as put, on both sides, until the next step converts it)
 
@@ -208,7 +215,7 @@ class UserProgram(RuleBasedStateMachine):
     @precondition(lambda self: self.added < 2)
     @rule(shape=st.sampled_from(NEW_SHAPES), lr=st.sampled_from([1e-3, 2e-2]))
     def add_param_group(self, shape, lr):
-        p = torch.nn.Parameter(torch.randn(self.shapes([shape])[0], generator=self.gen))
+        p = torch.nn.Parameter(self._draw(self.shapes([shape])[0]))
         q = torch.nn.Parameter(p.detach().clone())
         self.ours.add_param_group({"params": [p], "lr": lr})
         self.ref.add_param_group({"params": [q], "lr": lr})
@@ -232,7 +239,7 @@ class UserProgram(RuleBasedStateMachine):
         """A backward adds into the grads there are and makes the missing ones (flat mode: on its buffer)."""
         n = len(self.ours_p)
         reached = data.draw(st.lists(st.booleans(), min_size=n, max_size=n), label="reached by the backward")
-        weights = [torch.randn(p.shape, generator=self.gen) for p in self.ref_p]
+        weights = [self._draw(p.shape) for p in self.ref_p]
         for params in (self.ours_p, self.ref_p):
             terms = [(p * w).sum() for p, w, r in zip(params, weights, reached) if r]
             if terms:
@@ -322,19 +329,21 @@ def _run(machine, examples):
         suppress_health_check=list(HealthCheck)))
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("level", LEVELS)
-def test_user_programs_match_torch(level):
-    machine = type(f"UserProgram_{level}", (UserProgram,), {"level": level})
+def test_user_programs_match_torch(level, device):
+    machine = type(f"UserProgram_{level}", (UserProgram,), {"level": level, "device": device})
     _run(machine, EXAMPLES)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
-def test_user_programs_of_each_optimizer_match_torch(name):
+def test_user_programs_of_each_optimizer_match_torch(name, device):
     """Every optimizer in the registry, whatever the draws above happen to pick: a few programs each, on the
     fused level (what ``impl="auto"`` runs)."""
     def build(self, name, option, flat, seed):
         UserProgram.build(self, name, option, flat, seed)
-    machine = type(f"UserProgram_{name}", (UserProgram,), {"level": "fused", "build": initialize(
+    machine = type(f"UserProgram_{name}", (UserProgram,), {"level": "fused", "device": device, "build": initialize(
         name=st.just(name), option=st.integers(0, 3), flat=st.booleans(), seed=st.integers(0, 2 ** 16))(build)})
     _run(machine, 5)
 
@@ -348,10 +357,12 @@ def test_user_programs_match_torch_on_the_triton_kernel(monkeypatch):
     _run(machine, max(EXAMPLES // 2, 5))
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("bits", [16, 8, 4])
 @pytest.mark.parametrize("level", LEVELS)
-def test_user_programs_with_low_bit_state_match_torch_stored_alike(level, bits):
-    machine = type(f"UserProgram_{level}_{bits}bit", (UserProgram,), {"level": level, "state_bits": bits})
+def test_user_programs_with_low_bit_state_match_torch_stored_alike(level, bits, device):
+    machine = type(f"UserProgram_{level}_{bits}bit", (UserProgram,), {"level": level, "state_bits": bits,
+                                                                      "device": device})
     _run(machine, max(EXAMPLES // 2, 5))
 
 

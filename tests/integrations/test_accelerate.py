@@ -25,9 +25,10 @@ def fresh_accelerator_state():
 BATCHES = tokens(24).split(4)
 
 
-def run(make_optimizer, steps=range(6), mixed_precision="no", save=None, load=None, scaler=None, inf_at=()):
+def run(make_optimizer, steps=range(6), mixed_precision="no", save=None, load=None, scaler=None, inf_at=(),
+        device="cpu"):
     AcceleratorState._reset_state(reset_partial_state=True)
-    acc = accelerate.Accelerator(cpu=True, mixed_precision=mixed_precision)
+    acc = accelerate.Accelerator(cpu=device == "cpu", mixed_precision=mixed_precision)
     if scaler is not None:  # accelerate makes one only for fp16 on an accelerator: given here, as it would be there
         acc.scaler = scaler
     torch.manual_seed(0)
@@ -39,7 +40,7 @@ def run(make_optimizer, steps=range(6), mixed_precision="no", save=None, load=No
         acc.load_state(load)
     skipped, lrs = [], []
     for i in steps:
-        ids = BATCHES[i]
+        ids = BATCHES[i].to(acc.device)
         with acc.autocast():
             loss = torch.nn.functional.cross_entropy(model(ids[:, :-1]).flatten(0, 1).float(), ids[:, 1:].flatten())
         acc.backward(loss)
@@ -57,29 +58,29 @@ def run(make_optimizer, steps=range(6), mixed_precision="no", save=None, load=No
 
 @pytest.mark.parametrize("mixed_precision", ["no", "bf16"])
 @pytest.mark.parametrize("kind", KIND_NAMES)
-def test_save_state_resume(kind, mixed_precision, tmp_path):
+def test_save_state_resume(kind, mixed_precision, tmp_path, device):
     """save_state writes the model with safetensors (the default): every tensor must come back."""
     make = KINDS[kind].make
-    straight, _, _ = run(make, mixed_precision=mixed_precision, save=tmp_path)
-    resumed, _, _ = run(make, steps=range(3, 6), mixed_precision=mixed_precision, load=tmp_path)
+    straight, _, _ = run(make, mixed_precision=mixed_precision, save=tmp_path, device=device)
+    resumed, _, _ = run(make, steps=range(3, 6), mixed_precision=mixed_precision, load=tmp_path, device=device)
     for (name, a), b in zip(straight.state_dict().items(), resumed.state_dict().values()):
         assert torch.equal(a, b), name
     if KINDS[kind].torch_twin is not None and mixed_precision == "no":
-        twin, _, _ = run(KINDS[kind].torch_twin)
+        twin, _, _ = run(KINDS[kind].torch_twin, device=device)
         for a, b in zip(straight.state_dict().values(), twin.state_dict().values()):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("kind", KIND_NAMES)
-def test_grad_scaler_skip_is_reported(kind):
+def test_grad_scaler_skip_is_reported(kind, device):
     """An inf grad at step 2: GradScaler skips that step, accelerate says so, and the LR schedule holds."""
-    scaler = lambda: torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)  # noqa: E731
-    model, skipped, lrs = run(KINDS[kind].make, mixed_precision="bf16", scaler=scaler(), inf_at=(2,))
+    scaler = lambda: torch.amp.GradScaler(device, init_scale=2.0 ** 10)  # noqa: E731
+    model, skipped, lrs = run(KINDS[kind].make, mixed_precision="bf16", scaler=scaler(), inf_at=(2,), device=device)
     assert skipped == [False, False, True, False, False, False]
     assert lrs[2] == lrs[1] and lrs[3] < lrs[2]
     if KINDS[kind].torch_twin is not None:
         twin, twin_skipped, twin_lrs = run(KINDS[kind].torch_twin, mixed_precision="bf16", scaler=scaler(),
-                                           inf_at=(2,))
+                                           inf_at=(2,), device=device)
         assert (skipped, lrs) == (twin_skipped, twin_lrs)
         for a, b in zip(model.state_dict().values(), twin.state_dict().values()):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

@@ -17,16 +17,16 @@ BATCHES = tokens(24).split(4)
 
 def train_steps(model, opt, steps):
     for i in steps:
-        ids = BATCHES[i]
+        ids = BATCHES[i].to(next(model.parameters()).device)
         loss = torch.nn.functional.cross_entropy(model(ids[:, :-1]).flatten(0, 1), ids[:, 1:].flatten())
         loss.backward()
         opt.step()
         opt.zero_grad()
 
 
-def setup(kind, steps=range(3)):
+def setup(kind, steps=range(3), device="cpu"):
     torch.manual_seed(0)
-    model = TinyLM()
+    model = TinyLM().to(device)
     opt = KINDS[kind].make(model)
     train_steps(model, opt, steps)
     return model, opt
@@ -38,13 +38,13 @@ def assert_same(a: torch.nn.Module, b: torch.nn.Module):
 
 
 @pytest.mark.parametrize("kind", KIND_NAMES)
-def test_safetensors_round_trip(kind, tmp_path):
+def test_safetensors_round_trip(kind, tmp_path, device):
     safetensors = pytest.importorskip("safetensors.torch")
-    model, opt = setup(kind)
+    model, opt = setup(kind, device=device)
     safetensors.save_model(model, str(tmp_path / "m.safetensors"))
     safetensors.save_file(model.state_dict(), str(tmp_path / "sd.safetensors"))
-    loaded = TinyLM()
-    missing, unexpected = safetensors.load_model(loaded, str(tmp_path / "m.safetensors"))
+    loaded = TinyLM().to(device)
+    missing, unexpected = safetensors.load_model(loaded, str(tmp_path / "m.safetensors"), device=device)
     assert not missing and not unexpected
     assert_same(model, loaded)
     assert set(safetensors.load_file(str(tmp_path / "sd.safetensors"))) == set(model.state_dict())
@@ -73,8 +73,8 @@ def test_model_state_dict_unchanged_by_settings(kind, tmp_path):
 
 @pytest.mark.parametrize("how", ["deepcopy", "pickle"])
 @pytest.mark.parametrize("kind", KIND_NAMES)
-def test_copies_continue_as_the_original(kind, how):
-    model, opt = setup(kind)
+def test_copies_continue_as_the_original(kind, how, device):
+    model, opt = setup(kind, device=device)
     if how == "deepcopy":
         model2, opt2 = copy.deepcopy((model, opt))
     else:
@@ -95,11 +95,11 @@ def test_pickle_size(kind):
 
 
 @pytest.mark.parametrize("kind", KIND_NAMES)
-def test_compiled_step_function(kind):
+def test_compiled_step_function(kind, device):
     """torch.compile of a function that calls opt.step(), as PyTorch's docs teach: eager's numbers."""
     torch._dynamo.reset()
-    model, opt = setup(kind, steps=())
-    eager, eager_opt = setup(kind, steps=())
+    model, opt = setup(kind, steps=(), device=device)
+    eager, eager_opt = setup(kind, steps=(), device=device)
 
     @torch.compile
     def step():
@@ -107,7 +107,7 @@ def test_compiled_step_function(kind):
 
     for i in range(3):
         for m, o, s in ((model, opt, step), (eager, eager_opt, eager_opt.step)):
-            ids = BATCHES[i]
+            ids = BATCHES[i].to(device)
             torch.nn.functional.cross_entropy(m(ids[:, :-1]).flatten(0, 1), ids[:, 1:].flatten()).backward()
             s()
             o.zero_grad()
