@@ -125,6 +125,7 @@ class UserProgram(RuleBasedStateMachine):
             step_ours()
         if not skipped:  # (torch's GradScaler does not call a step it skips)
             _fresh_state_like_torch_init(self.ref, self.spec)
+            self._fresh_state_stored_alike(stepping)
             self._as_stored(stepping)
         step_ref()
         if not skipped:  # (a skipped step converts nothing: a state put in before it stays as put on both sides)
@@ -260,6 +261,24 @@ class UserProgram(RuleBasedStateMachine):
                 kind = ("QuantizedState" if fmt.quantized else "Tensor", torch.bfloat16 if fmt.bits == 16
                         else None if fmt.quantized else a.dtype)
                 assert (type(value).__name__, getattr(value, "dtype", None)) == kind, (name, fmt, value)
+
+    def _fresh_state_stored_alike(self, stepping):
+        """A state that fastoptim makes with a nonzero value (Rprop's ``step_size``, the lr) is stored at its
+        width before its first use; torch makes it inside its step and uses it at full width. At low widths the
+        twin gets such a state made before its step, as torch's step would make it, so ``_as_stored`` rounds it
+        as fastoptim's storage holds it."""
+        rule = self.spec.cls.rule
+        if self.state_bits == 32 or rule.eager_state or rule.host_states or getattr(rule, "stages", None):
+            return
+        for group in self.ref.param_groups:
+            for b in group["params"]:
+                if not any(b is q for q in stepping) or self.ref.state.get(b):
+                    continue
+                values = {name: rule.initial_value(name, group)
+                          for name, on in zip(rule.state_names, rule.active(group)) if on}
+                if any(v != 0 for v in values.values()):
+                    self.ref.state[b] = {"step": torch.tensor(0.0),
+                                         **{name: torch.full_like(b, v) for name, v in values.items()}}
 
     def _as_stored(self, params=None):
         """torch's twin, at low state widths: each of its states rounded as fastoptim stores that state

@@ -162,13 +162,22 @@ def _run(opt, model, steps=3):
 
 
 # what timm's train script passes where the user gives --opt-eps / --opt-betas / --momentum
-USER_ARGS = {"eps": 1e-7, "betas": (0.8, 0.9), "momentum": 0.5}
+# (as many betas as the optimizer takes: timm's ``num_betas``)
+USER_ARGS = {"eps": 1e-7, "betas": (0.8, 0.9, 0.99), "momentum": 0.5}
+
+
+def _user_args(has, num_betas):
+    """USER_ARGS that an optimizer takes (``has(name)``), with its number of betas."""
+    args = {k: v for k, v in USER_ARGS.items() if has(k)}
+    if "betas" in args:
+        args["betas"] = args["betas"][:num_betas]
+    return args
 
 
 def _direct(name, model, weight_decay, **kwargs):
     """The optimizer built without timm, from what timm hands it."""
     info_like = timm_glue.optim_info_kwargs(OPTIMIZERS[name])
-    args = {k: v for k, v in USER_ARGS.items() if info_like[f"has_{k}"]}
+    args = _user_args(lambda k: info_like[f"has_{k}"], info_like["num_betas"])
     groups = _timm_groups(model, weight_decay)
     if name == "rprop":  # (timm's weight_decay=0 dropped)
         groups = [{"params": g["params"]} for g in groups]
@@ -187,7 +196,7 @@ def test_the_factory_makes_what_building_it_directly_makes(registry, name):
     weight_decay = 0.0 if name == "rprop" else 0.05
     ours_model, ref_model = _model(), _model()
     info = registry.infos[f"fastoptim-{name}"]
-    user = {k: v for k, v in USER_ARGS.items() if getattr(info, f"has_{k}")}
+    user = _user_args(lambda k: getattr(info, f"has_{k}"), info.num_betas)
     opt = registry.create_optimizer(ours_model, f"fastoptim-{name}", lr=1e-2, weight_decay=weight_decay, **user)
     assert isinstance(opt, OPTIMIZERS[name].cls)
     ref = _direct(name, ref_model, weight_decay)
