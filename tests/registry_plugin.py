@@ -1,5 +1,5 @@
 """A pytest plugin that registers a tiny test-only optimizer before the tests are collected
-(``pytest -p registry_plugin``): tests/test_registry.py checks that the whole matrix collects it and that it runs.
+(``pytest -p registry_plugin``): tests/surface/test_registry.py checks that the whole matrix collects it and that it runs.
 
 Its rule is an EMA of the grads as the step (``p <- p - lr m``, ``m <- m + (1 - b)(g - m)``), with decoupled
 weight decay and maximize; its oracle a plain loop of the same, written here."""

@@ -22,8 +22,8 @@ class Mutation:
 
 ADAM = "src/fastoptim/rules/adam.py"
 CPU_KERNELS = "src/fastoptim/levels/cpu_kernels.py"
-PARITY = ("tests/test_parity_regimes.py", "tests/test_parity.py")
-LOW_BIT = ("tests/test_cpu_kernels.py", "tests/test_low_bit.py", "tests/test_quant.py")
+PARITY = ("tests/surface/test_parity_regimes.py", "tests/surface/test_parity.py")
+LOW_BIT = ("tests/paths/test_cpu_kernels.py", "tests/storage/test_low_bit.py", "tests/storage/test_quant.py")
 
 MUTATIONS = [
     Mutation("adam_weight_decay_dropped", ADAM,
@@ -59,17 +59,17 @@ MUTATIONS = [
     Mutation("clip_factor_eps", "src/fastoptim/clip.py",
              "torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)",
              "torch.clamp(max_norm / (total_norm + 1e-4), max=1.0)",
-             "clip factor max_norm / (norm + 1e-4), torch's is + 1e-6", ("tests/test_clip.py",)),
+             "clip factor max_norm / (norm + 1e-4), torch's is + 1e-6", ("tests/surface/test_clip.py",)),
     Mutation("flat_none_grad_stepped", "src/fastoptim/flat.py",
              "            return len(present) == len(self.params)  # some grads None, the others in place\n",
              "            return True  # some grads None, the others in place\n",
              "flat mode steps a param whose grad is None (reads its zeroed buffer part)",
-             ("tests/test_flat_semantics.py",)),
+             ("tests/engine/test_flat_semantics.py",)),
     Mutation("codec8_ties_to_upper_code", "src/fastoptim/storage/quant.py",
              "return ((entry >> 24) & 0xFF) + (low > (entry & self.mask)).to(torch.int32)",
              "return ((entry >> 24) & 0xFF) + (low >= (entry & self.mask)).to(torch.int32)",
              "codec: a value exactly on a boundary gets the upper code (boundaries one ulp off; 8 and 4 bits)",
-             ("tests/test_quant.py",)),
+             ("tests/storage/test_quant.py",)),
     Mutation("codec4_linear_ties_to_upper_code_in_cpu_kernel", CPU_KERNELS,
              "    const __m256i code = _mm256_cvtps_epi32(_mm256_round_ps(t, _MM_FROUND_TO_POS_INF | _MM_FROUND_NO_EXC));\n",
              "    const __m256i code = _mm256_add_epi32(_mm256_cvtps_epi32(_mm256_round_ps(t, _MM_FROUND_TO_NEG_INF "
@@ -87,34 +87,34 @@ MUTATIONS = [
              "CPU kernel stores 16-bit state truncated, not rounded to nearest even", LOW_BIT),
     Mutation("wsd_linear_1_percent", "src/fastoptim/schedules.py",
              '"linear": lambda t: 1 - t,', '"linear": lambda t: 1 - 1.01 * t,',
-             "wsd's linear decay 1 % steep (train --schedule wsd's default)", ("tests/test_schedules.py",)),
+             "wsd's linear decay 1 % steep (train --schedule wsd's default)", ("tests/surface/test_schedules.py",)),
     Mutation("wsd_cosine_1_percent", "src/fastoptim/schedules.py",
              '"cosine": lambda t: 0.5 * (1 + math.cos(math.pi * t)),',
              '"cosine": lambda t: 0.505 * (1 + math.cos(math.pi * t)),',
-             "wsd's cosine decay 1 % high", ("tests/test_schedules.py",)),
+             "wsd's cosine decay 1 % high", ("tests/surface/test_schedules.py",)),
     Mutation("flat_version_bump_dropped", "src/fastoptim/optimizer.py",
              "                bulk.bump_versions(bucket.owners)\n", "                pass\n",
              "flat/sharded params written without counting an in-place write (autograd's version; the "
              "level's own write to a flat buffer may count it already: possibly equivalent)",
-             ("tests/test_flat_semantics.py", "tests/test_drop_in.py")),
+             ("tests/engine/test_flat_semantics.py", "tests/surface/test_drop_in.py")),
     Mutation("cpu_kernel_version_bump_dropped", "src/fastoptim/levels/fused.py",
              "        took(\"cpu_kernel\")\n        bulk.bump_versions(params)  # written in place, as torch's own kernels count\n",
              "        took(\"cpu_kernel\")\n",
              "the CPU kernel's in-place write not counted for autograd (a stale saved param goes unnoticed)",
-             ("tests/test_cpu_kernels.py", "tests/test_drop_in.py")),
+             ("tests/paths/test_cpu_kernels.py", "tests/surface/test_drop_in.py")),
     Mutation("grad_scaler_skip_ignored", "src/fastoptim/optimizer.py",
              "if found_inf is not None and not in_kernel and found_inf.item() != 0:",
              "if found_inf is not None and not in_kernel and found_inf.item() != 0 and False:",
-             "GradScaler's found_inf ignored where the step reads it on the host", ("tests/test_amp_flag.py",)),
+             "GradScaler's found_inf ignored where the step reads it on the host", ("tests/engine/test_amp_flag.py",)),
     Mutation("staged_store_on_skipped_step", "src/fastoptim/storage/__init__.py",
              "    if found_inf is not None and found_inf.item() != 0:\n        return\n",
              "    pass\n",
              "a staged (low-bit) bucket steps and stores on a step GradScaler skips",
-             ("tests/test_low_bit.py", "tests/test_amp_flag.py")),
+             ("tests/storage/test_low_bit.py", "tests/engine/test_amp_flag.py")),
     Mutation("muon_newton_schulz_b_c_swapped_tall", "src/fastoptim/rules/muon.py",
              "            x = torch.baddbmm(x, x, torch.baddbmm(gram, gram, gram, beta=b, alpha=c), beta=a)\n",
              "            x = torch.baddbmm(x, x, torch.baddbmm(gram, gram, gram, beta=c, alpha=b), beta=a)\n",
-             "Muon's Newton-Schulz with b and c swapped, tall matrices only", PARITY + ("tests/test_factory_muon.py",), "muon"),
+             "Muon's Newton-Schulz with b and c swapped, tall matrices only", PARITY + ("tests/surface/test_factory_muon.py",), "muon"),
     Mutation("sgd_first_step_dampening", "src/fastoptim/rules/sgd.py",
              "                1.0 if first else 1.0 - group[\"dampening\"])",
              "                1.0 - group[\"dampening\"])",

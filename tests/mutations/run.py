@@ -3,7 +3,7 @@ say whether a test failed (caught) and which one failed first.
 
     python tests/mutations/run.py                      # every mutation, the whole suite each (slow)
     python tests/mutations/run.py --likely             # each mutation's likely test files only
-    python tests/mutations/run.py --only wsd_linear_1_percent tests/test_schedules.py
+    python tests/mutations/run.py --only wsd_linear_1_percent tests/surface/test_schedules.py
 
 The source tree is never touched: the tree (``--tree``, by default this checkout) is copied once into a
 temporary folder, and each mutation is applied there and undone after its run. pytest runs with

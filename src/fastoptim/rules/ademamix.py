@@ -11,7 +11,7 @@ defaults and warmup schedulers of ``bitsandbytes.optim.AdEMAMix``: Adam's fast E
     p <- p - lr * (m1 / (1 - b1^t) + alpha_t m2) / (sqrt(nu) / sqrt(1 - b2^t) + eps)
 
 torch.optim has no AdEMAMix; the oracle is ``ReferenceAdEMAMix`` below, the same algorithm as a plain loop
-(bitsandbytes' CPU kernel, 32-bit, is checked against fastoptim in tests/test_ademamix.py). State names follow
+(bitsandbytes' CPU kernel, 32-bit, is checked against fastoptim in tests/rules/test_ademamix.py). State names follow
 torch's Adam: ``exp_avg`` (m1), ``exp_avg_slow`` (m2), ``exp_avg_sq`` (nu); bitsandbytes stacks m1 and m2 in one
 tensor. ``t_alpha``/``t_beta3`` of 0 or None turn a warmup off, as in bitsandbytes.
 """

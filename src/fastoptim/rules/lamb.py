@@ -15,7 +15,7 @@ in the norm, as the paper writes it), no clamp of the ratio (the paper's phi is 
 never lets the ratio grow a step: timm's ``trust_clip``, and what bitsandbytes' LAMB does with its default
 ``max_unorm=1.0`` (bitsandbytes' LAMB differs otherwise: its norm leaves out the weight decay and the bias
 corrections' ratio, and it decays decoupled, so it is compared with this one only where those coincide:
-tests/test_lamb.py). torch.optim has no LAMB; the oracle is ``fastoptim.reference.ReferenceLAMB``.
+tests/rules/test_lamb.py). torch.optim has no LAMB; the oracle is ``fastoptim.reference.ReferenceLAMB``.
 """
 
 from __future__ import annotations

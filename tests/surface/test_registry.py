@@ -13,7 +13,7 @@ import fastoptim
 from fastoptim import registry
 from fastoptim.rules.base import Rule, register
 
-HERE = os.path.dirname(__file__)
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/, where registry_plugin lives
 
 
 def test_every_public_class_has_torchs_signature_and_comes_from_its_rule():
@@ -84,17 +84,17 @@ def test_a_rule_added_to_the_registry_gets_the_whole_matrix():
     stateful, low-bit, CPU-kernel and Triton matrices with no test table edited, runs at the loop and fused
     levels against its oracle, and is not exported."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")])}
-    files = ["test_parity.py", "test_stateful.py", "test_low_bit.py", "test_cpu_kernels.py", "test_triton.py",
-             "test_levels_extra.py", "test_torch_optim_db.py"]
+    files = ["surface/test_parity.py", "surface/test_stateful.py", "storage/test_low_bit.py", "paths/test_cpu_kernels.py",
+             "paths/test_triton.py", "engine/test_levels_extra.py", "surface/test_torch_optim_db.py"]
     collected = subprocess.run([sys.executable, "-m", "pytest", "-p", "registry_plugin", "--collect-only", "-q",
                                 *files], cwd=HERE, env=env, capture_output=True, text=True, timeout=600)
     assert collected.returncode == 0, collected.stdout[-3000:] + collected.stderr[-3000:]
     ids = [line for line in collected.stdout.splitlines() if "tinyema" in line]
     for file in files[:-1]:  # (torch's data has nothing for an optimizer torch lacks)
         assert any(f"{file}::" in i for i in ids), (file, collected.stdout[-2000:])
-    assert any("test_parity.py::test_matches_reference_every_step" in i for i in ids)
+    assert any("surface/test_parity.py::test_matches_reference_every_step" in i for i in ids)
     ran = subprocess.run([sys.executable, "-m", "pytest", "-p", "registry_plugin", "-q", "-x",
-                          "test_parity.py::test_matches_reference_every_step", "-k", "tinyema and (loop or fused)"],
+                          "surface/test_parity.py::test_matches_reference_every_step", "-k", "tinyema and (loop or fused)"],
                          cwd=HERE, env=env, capture_output=True, text=True, timeout=600)
     assert ran.returncode == 0 and " passed" in ran.stdout, ran.stdout[-3000:] + ran.stderr[-3000:]
     assert "tinyema" not in registry.OPTIMIZERS and "TinyEMA" not in fastoptim.__all__

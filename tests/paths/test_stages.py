@@ -141,14 +141,14 @@ def test_muon_refuses_params_that_are_not_matrices(bad):
     fastoptim.Muon([{"params": [p], "use_muon": False}])  # AdamW takes it
 
 
-def test_muon_refuses_bad_hyper_parameters():  # (complex params: tests/test_drop_in.py)
+def test_muon_refuses_bad_hyper_parameters():  # (complex params: tests/surface/test_drop_in.py)
     for bad in (dict(ns_steps=-1), dict(adjust_lr_fn="other"), dict(ns_coefficients=(1.0, 2.0)),
                 dict(ns_dtype="float16"), dict(momentum=-0.5), dict(lr=-1.0)):
         with pytest.raises(ValueError):
             fastoptim.Muon(_matrices(), **bad)
 
 
-def test_adafactor_refuses_flat_mode():  # (complex params: tests/test_drop_in.py)
+def test_adafactor_refuses_flat_mode():  # (complex params: tests/surface/test_drop_in.py)
     with pytest.raises(ValueError, match="flat=True"):
         fastoptim.Adafactor(_matrices(), flat=True)
 

@@ -1,4 +1,4 @@
-"""Run by tests/test_timm_integration.py in a fresh process: fastoptim's optimizers through timm's own factory.
+"""Run by tests/integrations/test_timm.py in a fresh process: fastoptim's optimizers through timm's own factory.
 
 ``--stub-torchvision``: timm imports torchvision at import time (its layers and data modules), though its optimizer
 factory never uses it; where the installed torchvision does not load beside this torch, an empty stand-in module

@@ -32,7 +32,7 @@ from conftest import ELEMENTWISE, ELEMENTWISE_CASES  # noqa: E402
 from fastoptim.registry import OPTIMIZERS  # noqa: E402
 
 # Kernel tests: the elementwise kernels run a rule's ``update``, which staged rules (Muon, Adafactor) do not have:
-# they never run these kernels, and their stages are tested in tests/test_stages.py. Hence ELEMENTWISE here.
+# they never run these kernels, and their stages are tested in tests/paths/test_stages.py. Hence ELEMENTWISE here.
 from test_cpu_kernels import _assert_stored_equal, _oracle  # noqa: E402
 
 # whole rows of every block size and aligned (the hinted branch); rows of 257, 93, 131 and 1000 elements

@@ -25,7 +25,7 @@ from conftest import ELEMENTWISE_CASES  # noqa: E402
 from fastoptim.registry import OPTIMIZERS
 
 # Kernel tests: the elementwise kernels run a rule's ``update``, which staged rules (Muon, Adafactor) do not have:
-# they never run these kernels, and their stages are tested in tests/test_stages.py. Hence ELEMENTWISE here.
+# they never run these kernels, and their stages are tested in tests/paths/test_stages.py. Hence ELEMENTWISE here.
 
 pytestmark = pytest.mark.skipif(cpu_kernels.available() is not None,
                                 reason=f"no C++ toolchain: {cpu_kernels.available()}")

@@ -1,7 +1,7 @@
 """LAMB (``fastoptim.rules.lamb``): the trust ratio as the paper defines it, and bitsandbytes' LAMB where the two
 algorithms coincide.
 
-The parity matrix (tests/test_parity.py) runs LAMB's option sets at every level against
+The parity matrix (tests/surface/test_parity.py) runs LAMB's option sets at every level against
 ``fastoptim.reference.ReferenceLAMB``, the paper's Algorithm 2 as an fp64 loop. Here: what the per-tensor stage
 does (each tensor's step is lr times its own norm, whatever its scale; a zero tensor or a zero update takes ratio
 1; ``max_trust_ratio`` clamps), and bitsandbytes.

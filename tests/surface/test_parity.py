@@ -482,7 +482,7 @@ def test_cache_blocked_large_tensors_match_torch(name, level, device):
 @pytest.mark.parametrize("name,index,level", [(n, i, lv) for n, i, lv in MATRIX if n in FLAT])
 def test_flat_mode_matches_reference_every_step(name, index, level, device):
     """flat=True: params, grads and states as views of one buffer per bucket; same numbers as torch.
-    (Every param has a grad here; None grads: tests/test_flat_semantics.py.) Adafactor refuses flat=True
+    (Every param has a grad here; None grads: tests/engine/test_flat_semantics.py.) Adafactor refuses flat=True
     (test_adafactor_refuses_flat_mode)."""
     _run_against_reference(name, index, level, device, 10, none_every=10 ** 9, flat=True)
 

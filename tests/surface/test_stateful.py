@@ -67,8 +67,8 @@ class UserProgram(RuleBasedStateMachine):
         self.spec = spec = OPTIMIZERS[name]
         self.opts = dict(spec.option_sets[option % len(spec.option_sets)])
         if spec.params == "matrices" and self.opts.get("ns_dtype") is None:
-            # Muon: these programs test the user's surface, not bf16 Newton-Schulz (tests/test_parity.py,
-            # tests/test_stages.py), whose one-spacing differences would outgrow ATOL as lr doubles
+            # Muon: these programs test the user's surface, not bf16 Newton-Schulz (tests/surface/test_parity.py,
+            # tests/paths/test_stages.py), whose one-spacing differences would outgrow ATOL as lr doubles
             self.opts["ns_dtype"] = "float32"
         flat = flat and name in FLAT  # (Adafactor refuses flat=True: its factored states are not param-shaped)
         self.shapes = lambda shapes: shapes_for(name, shapes)  # (Muon: matrices of the same sizes)
@@ -334,7 +334,7 @@ class UserProgram(RuleBasedStateMachine):
 
 def _elementwise_only(machine):
     """``machine`` drawing only optimizers whose math is one elementwise ``update``: the Triton kernels under
-    test run that (staged rules run their per-tensor stages apart; tests/test_stages.py)."""
+    test run that (staged rules run their per-tensor stages apart; tests/paths/test_stages.py)."""
     def build(self, name, option, flat, seed):
         UserProgram.build(self, name, option, flat, seed)
     build = initialize(name=st.sampled_from(sorted(ELEMENTWISE)), option=st.integers(0, 3), flat=st.booleans(),

@@ -48,7 +48,7 @@ INFOS = {info.optim_cls.__name__: info for info in optim_db}
 
 # fastoptim optimizers without a torch.optim class: nothing in torch's data to run
 NO_TORCH_COUNTERPART = {
-    name: f"torch.optim has no {spec.cls.__name__}; tests/test_parity.py checks it against {spec.oracle}"
+    name: f"torch.optim has no {spec.cls.__name__}; tests/surface/test_parity.py checks it against {spec.oracle}"
     for name, spec in OPTIMIZERS.items() if spec.torch_counterpart is None
 }
 

@@ -19,7 +19,7 @@ from fastoptim.paths import triton_kernels as tk  # noqa: E402
 from fastoptim.registry import OPTIMIZERS  # noqa: E402
 
 # Kernel tests: the elementwise kernels run a rule's ``update``, which staged rules (Muon, Adafactor) do not have:
-# they never run these kernels, and their stages are tested in tests/test_stages.py. Hence ELEMENTWISE here.
+# they never run these kernels, and their stages are tested in tests/paths/test_stages.py. Hence ELEMENTWISE here.
 
 
 @pytest.fixture
