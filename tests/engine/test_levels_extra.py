@@ -11,11 +11,7 @@ from fastoptim.levels import LEVELS
 from fastoptim.registry import OPTIMIZERS
 from fastoptim.rules.base import Elementwise, PerTensor
 from fastoptim.reference import reference_class, reference_kwargs
-
-
-def _frames_compiled() -> int:
-    from torch._dynamo.utils import counters
-    return sum(counters["frames"].values())
+from runs import frames_compiled, run_with_tensor_hyperparameters, scaler_run
 
 
 @pytest.mark.parametrize("name,sched", [("adamw", "onecycle"), ("sgd", "onecycle"), ("lion", "cosine"),
@@ -38,34 +34,14 @@ def test_compiled_level_never_recompiles_over_1000_scheduled_steps(name, sched):
     for _ in range(2):
         opt.step()
         scheduler.step()
-    compiled_before = _frames_compiled()
+    compiled_before = frames_compiled()
     seen = set()
     for _ in range(998):
         opt.step()
         scheduler.step()
         seen.add(opt.param_groups[0]["lr"])
     assert len(seen) > 900  # the lr really changed every step
-    assert _frames_compiled() == compiled_before, "a scheduled step recompiled"
-
-
-def _scaler_run(opt_factory, params, steps=4, poison_step=2):
-    """A tiny model trained under torch.amp.GradScaler; one step gets an inf grad."""
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=1000)
-    opt = opt_factory(params)
-    x = torch.linspace(-1, 1, 24).reshape(6, 4)
-    record = []
-    for step in range(1, steps + 1):
-        opt.zero_grad()
-        loss = (x @ params[0]).pow(2).sum() + params[1].sum()
-        scaler.scale(loss).backward()
-        if step == poison_step:
-            params[1].grad.view(-1)[0] = float("inf")
-        before = [p.detach().clone() for p in params]
-        scale_before = scaler.get_scale()
-        scaler.step(opt)
-        scaler.update()
-        record.append((before, [p.detach().clone() for p in params], scale_before, scaler.get_scale()))
-    return opt, record
+    assert frames_compiled() == compiled_before, "a scheduled step recompiled"
 
 
 @pytest.mark.parametrize("level", LEVELS)
@@ -75,8 +51,8 @@ def test_grad_scaler_end_to_end(name, level, flat):
     opts = spec.option_sets[1]
     ours_p = [torch.nn.Parameter(torch.randn(4, 3)), torch.nn.Parameter(torch.randn(shape_for(name, (3,))))]
     ref_p = clone_params(ours_p)
-    ours, ours_rec = _scaler_run(lambda ps: spec.cls(ps, impl=level, flat=flat, **opts), ours_p)
-    ref, ref_rec = _scaler_run(lambda ps: reference_class(spec)(ps, **opts, **reference_kwargs(spec)), ref_p)
+    ours, ours_rec = scaler_run(lambda ps: spec.cls(ps, impl=level, flat=flat, **opts), ours_p)
+    ref, ref_rec = scaler_run(lambda ps: reference_class(spec)(ps, **opts, **reference_kwargs(spec)), ref_p)
     before, after, scale_before, scale_after = ours_rec[1]  # the poisoned step
     assert all(torch.equal(a, b) for a, b in zip(before, after)), "an inf step moved the params"
     assert scale_after < scale_before, "the scale was not lowered"
@@ -193,42 +169,6 @@ def test_flat_sgd_loads_torch_state_with_first_step_semantics(saved_steps):
         ours.step()
         ref.step()
     assert_params_close(ours_p, ref_p)
-
-
-# the hyper-parameters each optimizer takes as 0-d tensors: its rule says (``Rule.tensor_hypers``)
-TENSOR_HYPER = {name: spec.cls.rule.tensor_hypers for name, spec in OPTIMIZERS.items()}
-
-
-def _as_tensors(group: dict, keys) -> None:
-    for k in keys:
-        v = group[k]
-        group[k] = tuple(torch.tensor(float(b)) for b in v) if isinstance(v, tuple) else torch.tensor(float(v))
-
-
-def run_with_tensor_hyperparameters(name, level, flat=False, steps=5):
-    """The same run twice: hyper-parameters as Python floats, and as 0-d tensors written in place each step
-    (as a device-side schedule would). Returns both param lists."""
-    spec = OPTIMIZERS[name]
-    opts = dict(spec.option_sets[1])
-    if name in ("sgd", "rmsprop"):
-        opts["momentum"] = 0.9
-    runs = []
-    for as_tensor in (False, True):
-        params = make_params(name=name)
-        opt = spec.cls(params, impl=level, flat=flat, **opts)
-        if as_tensor:
-            _as_tensors(opt.param_groups[0], TENSOR_HYPER[name])
-        for step in range(1, steps + 1):
-            group = opt.param_groups[0]
-            lr = opts["lr"] * (1 + 0.1 * step)
-            if as_tensor:
-                group["lr"].fill_(lr)
-            else:
-                group["lr"] = lr
-            set_grads(step, [params], none_every=10 ** 9)
-            opt.step()
-        runs.append(params)
-    return runs
 
 
 @pytest.mark.parametrize("level", LEVELS)

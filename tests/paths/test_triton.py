@@ -278,7 +278,7 @@ def test_half_precision_kernels_round_to_nearest_with_vector_access(name, dtype,
 def test_grad_scaler_skips_inside_the_kernel_without_reading_found_inf(interpret, monkeypatch, name, flat):
     """GradScaler's found_inf goes into the kernel; the step never reads it on the host. The skipped step is
     counted optimistically and taken back at the next step, so the run still matches torch's."""
-    from test_levels_extra import _scaler_run
+    from runs import scaler_run
     from fastoptim.reference import reference_class, reference_kwargs
 
     spec = OPTIMIZERS[name]
@@ -304,9 +304,9 @@ def test_grad_scaler_skips_inside_the_kernel_without_reading_found_inf(interpret
     ours_p = [torch.nn.Parameter(torch.randn(4, 3)), torch.nn.Parameter(torch.randn(3))]
     ref_p = clone_params(ours_p)
     with record_paths() as paths:
-        ours, ours_rec = _scaler_run(lambda ps: spec.cls(ps, impl="fused", flat=flat, **opts), ours_p)
+        ours, ours_rec = scaler_run(lambda ps: spec.cls(ps, impl="fused", flat=flat, **opts), ours_p)
     assert paths and set(paths) == {"triton"}  # every step in the kernel: no safe path read found_inf
-    _, ref_rec = _scaler_run(lambda ps: reference_class(spec)(ps, **opts, **reference_kwargs(spec)), ref_p)
+    _, ref_rec = scaler_run(lambda ps: reference_class(spec)(ps, **opts, **reference_kwargs(spec)), ref_p)
     assert reads == []
     before, after, _, _ = ours_rec[1]
     assert all(torch.equal(a, b) for a, b in zip(before, after))
@@ -319,7 +319,7 @@ def test_grad_scaler_skips_inside_the_kernel_without_reading_found_inf(interpret
 
 @pytest.mark.parametrize("name", ELEMENTWISE)
 def test_kernel_reads_tensor_hyperparameters_from_memory(interpret, name):
-    from test_levels_extra import run_with_tensor_hyperparameters
+    from runs import run_with_tensor_hyperparameters
     with record_paths() as paths:
         floats, tensors = run_with_tensor_hyperparameters(name, "fused")
     # both runs (floats, then tensors) launched the kernel each of their 5 steps; the transposed param

@@ -530,7 +530,7 @@ def test_stochastic_rounding_kernel_compiles_with_vector_access_and_no_float_rou
 def test_tensor_hyperparameters_are_read_from_memory_by_the_kernel(interpret, name, bits):
     """Hyper-parameters held as 0-d tensors and written in place each step (a device-side schedule): the
     kernel reads them from memory and stores what it stores with Python floats."""
-    from test_levels_extra import TENSOR_HYPER, _as_tensors
+    from runs import TENSOR_HYPER, as_tensors
 
     spec = OPTIMIZERS[name]
     options = dict(spec.option_sets[1])
@@ -541,7 +541,7 @@ def test_tensor_hyperparameters_are_read_from_memory_by_the_kernel(interpret, na
         params, g = _params(9, [(4, 256), (3, 100)])
         opt = spec.cls(params, impl="fused", state_bits=bits, min_quant_size=0, **options)
         if as_tensor:
-            _as_tensors(opt.param_groups[0], TENSOR_HYPER[name])
+            as_tensors(opt.param_groups[0], TENSOR_HYPER[name])
         for step in range(1, 4):
             lr = options["lr"] * (1 + 0.1 * step)
             if as_tensor:

@@ -9,7 +9,7 @@ from torch.optim import lr_scheduler as S
 import fastoptim
 from fastoptim import schedules as fs
 from conftest import make_params, set_grads
-from test_levels_extra import _frames_compiled
+from runs import frames_compiled
 
 STEPS = 3000
 LR = 0.1
@@ -162,7 +162,7 @@ def test_tensor_lr_is_written_in_place_and_compiled_steps_never_recompile():
     for _ in range(2):
         opt.step()
         sched.step()
-    before = _frames_compiled()
+    before = frames_compiled()
     seen = set()
     for _ in range(997):
         opt.step()
@@ -170,7 +170,7 @@ def test_tensor_lr_is_written_in_place_and_compiled_steps_never_recompile():
         seen.add(float(lr_tensor))
         assert opt.param_groups[0]["lr"] is lr_tensor
     assert len(seen) > 900
-    assert _frames_compiled() == before
+    assert frames_compiled() == before
 
 
 @pytest.mark.parametrize("level", ["loop", "foreach", "fused", "compiled"])
