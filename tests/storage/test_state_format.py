@@ -251,3 +251,99 @@ def test_a_registered_codec_with_triton_hooks_runs_in_the_stored_state_kernel(fp
             got, exp = opt.state[p][name], ref.state[q][name]
             apart = (got.view(torch.int16).int() - exp.view(torch.int16).int()).abs()
             assert int(apart.max()) <= 1 and int((apart != 0).sum()) <= max(1, apart.numel() // 100)
+
+
+# a quantized format of its own: the dynamic codec's layout and kernels, through another map
+
+from fastoptim.storage import quant  # noqa: E402
+from fastoptim.storage.codecs.dynamic import Dynamic  # noqa: E402
+
+LINEAR8_SIGNED = quant.QuantMap("linear8s-test", 8, tuple((k - 128) / 128 for k in range(256)))
+
+
+class Linear8(Dynamic):
+    """8-bit block-wise state through a linear map (signed: k/128 for k in [-128, 127]; unsigned: the linear map
+    without zero), which fastoptim does not ship: only ``qmap`` differs from the dynamic codec."""
+
+    def __init__(self):
+        super().__init__(8, ())
+        self.name = "linear8-test"
+
+    def qmap(self, fmt):
+        return LINEAR8_SIGNED if fmt.signed else quant.linear_no_zero(8)
+
+
+@pytest.fixture
+def linear8():
+    codec = codecs.register(Linear8())
+    yield codec
+    codecs.unregister(codec)
+
+
+LINEAR_SHAPES = [(48, 80), (16, 300), (80,)]  # 300: a ragged last block per row; (80,): 1-D, kept plain
+
+
+def _linear8_run(impl, fmt=None, round_to=None, steps=3):
+    """AdamW (amsgrad) on fixed params and grads; with ``round_to`` (and plain state) each state of a >= 2-D
+    param is quantized and dequantized through that codec's map after each step: what the codec keeps."""
+    g = torch.Generator().manual_seed(5)
+    params = [torch.nn.Parameter(torch.randn(s, generator=g)) for s in LINEAR_SHAPES]
+    opt = fastoptim.AdamW(params, lr=1e-2, weight_decay=0.1, amsgrad=True, impl=impl, state_format=fmt,
+                          min_quant_size=0)
+    paths = []
+    for _ in range(steps):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=g)
+        with record_paths() as ran:
+            opt.step()
+        paths += ran
+        for p in params if round_to is not None else ():
+            for name, value in opt.state[p].items():
+                if isinstance(value, torch.Tensor) and p.dim() >= 2:
+                    fmt = round_to.format(signed=name == "exp_avg")
+                    codes, absmax = quant.quantize(value, fmt.qmap, fmt.block)
+                    value.copy_(quant.dequantize(codes, absmax, fmt.qmap, fmt.block, value.shape))
+    return params, opt, paths
+
+
+@pytest.mark.parametrize("impl", ["loop", "foreach"])
+def test_a_quantized_codec_registered_by_its_module_alone_keeps_state_through_its_map(linear8, impl):
+    """The codec's map is what its states are quantized with (``Format.qmap`` asks the codec): the steps are
+    the 32-bit steps with each state quantized and dequantized through that map after each, bit for bit."""
+    params, opt, _ = _linear8_run(impl, linear8.name)
+    want, ref, _ = _linear8_run(impl, round_to=linear8)
+    for p, q in zip(params, want):
+        assert torch.equal(p, q)
+        for name in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
+            state = opt.state[p][name]
+            if p.dim() < 2:
+                assert state.dtype == torch.float32
+                continue
+            assert state.fmt.qmap.name == ("linear8s-test" if name == "exp_avg" else "linear8")
+            assert torch.equal(state.dequantize(), ref.state[q][name])
+
+
+def test_a_quantized_codec_registered_alone_runs_in_the_cpu_kernel_and_through_a_checkpoint(linear8):
+    """The dynamic codec's kernel hooks take the codec's map: the fused level steps its states in the CPU
+    kernel, storing the staged loop level's codes (up to one code where torch's sqrt is an ulp away); a
+    checkpoint tags the map, and loads back into an optimizer of that format as it was."""
+    if cpu_kernels.available() is not None:
+        pytest.skip(f"no CPU kernel here: {cpu_kernels.available()}")
+    params, opt, paths = _linear8_run("fused", linear8.name)
+    want, ref, _ = _linear8_run("loop", linear8.name)
+    assert "cpu_kernel" in paths, paths
+    for p, q in zip(params, want):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+        if p.dim() >= 2:
+            got, exp = opt.state[p]["exp_avg"], ref.state[q]["exp_avg"]
+            apart = (got.codes.int() - exp.codes.int()).abs()
+            assert int(apart.max()) <= 1 and int((apart != 0).sum()) <= max(1, apart.numel() // 100)
+    saved = ref.state_dict()
+    assert saved["state"][0]["exp_avg.format"] == "linear8s-test/256 [48, 80]"
+    fresh = fastoptim.AdamW(want, lr=1e-2, weight_decay=0.1, amsgrad=True, state_format=linear8.name,
+                            min_quant_size=0)
+    fresh.load_state_dict(saved)
+    for q in want[:2]:
+        for name in ("exp_avg", "exp_avg_sq"):
+            got, exp = fresh.state[q][name], ref.state[q][name]
+            assert got.fmt == exp.fmt and torch.equal(got.codes, exp.codes) and torch.equal(got.absmax, exp.absmax)

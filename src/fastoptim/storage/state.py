@@ -58,33 +58,35 @@ class Format:
     def plain(self) -> bool:
         return self.bits == 32 and self.codec is None
 
+    # what the format's codec says (``storage.codecs``): a quantized format's map and block, and its tag
+
     @property
     def quantized(self) -> bool:
-        return self.bits in (8, 4) and self.codec is None
+        return _codecs().of(self).quantized
 
     @property
     def qmap(self) -> quant.QuantMap:
-        return quant.map_for(self.bits, self.signed)
+        return _codecs().of(self).qmap(self)
 
     @property
     def block(self) -> int:
-        return quant.BLOCK[self.bits]
+        return _codecs().of(self).block(self)
 
     @property
     def tag(self) -> str:
         """What a checkpoint records: the map and block size (the codes mean nothing without them)."""
-        if self.codec is not None:
-            return self.codec
-        return f"{self.qmap.name}/{self.block}" if self.quantized else f"bits{self.bits}"
+        return _codecs().of(self).tag(self)
 
     @staticmethod
     def from_tag(tag: str) -> "Format":
-        for bits in (8, 4):
-            for signed in (True, False):
-                fmt = Format(bits, signed)
-                if fmt.tag == tag:
-                    return fmt
-        raise ValueError(f"unknown quantized state format {tag!r}")
+        """The quantized format whose ``tag`` is ``tag`` (ValueError where none is)."""
+        return _codecs().from_tag(tag)
+
+
+def _codecs():
+    from . import codecs  # (they import this module: ``Format`` is what they make)
+
+    return codecs
 
 
 PLAIN = Format(32)

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..state import Format
 from .base import Codec, CppPieces  # noqa: F401
 from .bf16 import BF16_CODEC
 from .dynamic import DYNAMIC4, DYNAMIC8
@@ -93,6 +94,15 @@ def for_bits(bits: int | str) -> Codec:
 def of(fmt: Format) -> Codec:
     """The codec of a state kept in ``fmt``."""
     return _BY_BITS[fmt.bits] if fmt.codec is None else CODECS[fmt.codec]
+
+
+def from_tag(tag: str) -> Format:
+    """The format a checkpoint's ``tag`` names (``Codec.tag`` of one of a codec's ``formats``)."""
+    for codec in CODECS.values():
+        for fmt in codec.formats():
+            if codec.tag(fmt) == tag:
+                return fmt
+    raise ValueError(f"unknown quantized state format {tag!r}")
 
 
 def keys() -> tuple:

@@ -83,8 +83,21 @@ class Codec:
         state.copy_(values)
 
     def tag(self, fmt: Format) -> str:
-        """What a checkpoint records of ``fmt`` (``Format.tag``: the map's name and block)."""
-        return fmt.tag
+        """What a checkpoint records of ``fmt`` (``Format.tag``: a quantized format's map and block)."""
+        return f"bits{fmt.bits}" if fmt.codec is None else fmt.codec
+
+    def formats(self) -> list[Format]:
+        """The formats whose tag a checkpoint may hold (``codecs.from_tag``): those of states kept as several
+        tensors, which ``state_dict()`` writes with their tag."""
+        return []
+
+    def qmap(self, fmt: Format) -> Any:
+        """A quantized format's map (``quant.QuantMap``)."""
+        raise ValueError(f"a {self.name} state has no quantization map")
+
+    def block(self, fmt: Format) -> int:
+        """A quantized format's elements per absmax block."""
+        raise ValueError(f"a {self.name} state has no quantization blocks")
 
     def entries(self, name: str, value: Any) -> dict:
         """What ``state_dict()`` holds for state ``name``: the state itself for tensors."""

@@ -40,6 +40,18 @@ class Dynamic(Codec):
                                      fmt).sharded_like(p)
         return QuantizedState.of(torch.full(p.shape, value, dtype=torch.float32, device=p.device), fmt)
 
+    def qmap(self, fmt: Format) -> quant.QuantMap:
+        return quant.map_for(fmt.bits, fmt.signed)
+
+    def block(self, fmt: Format) -> int:
+        return quant.BLOCK[fmt.bits]
+
+    def tag(self, fmt: Format) -> str:
+        return f"{self.qmap(fmt).name}/{self.block(fmt)}"
+
+    def formats(self) -> list[Format]:
+        return [self.format(signed=True), self.format(signed=False)]
+
     def tensor_dtype(self, param_dtype: torch.dtype) -> None:
         return None  # codes and absmax (``parts``)
 
@@ -60,7 +72,7 @@ class Dynamic(Codec):
         return [state.codes, state.absmax]
 
     def kernel_format(self, state, p: Tensor) -> Format | None:
-        if not isinstance(state, QuantizedState) or state.fmt.bits != self.bits:
+        if not isinstance(state, QuantizedState) or state.fmt != self.format(state.fmt.signed):  # not ours
             return None
         if is_dtensor(state.codes) or state.shape != p.shape or state.device != p.device:
             return None
