@@ -237,6 +237,27 @@ def test_a_registered_codec_with_cpu_kernel_hooks_runs_in_the_kernel(fp16):
             assert int(apart.max()) <= 1 and int((apart != 0).sum()) <= max(1, apart.numel() // 100)
 
 
+class FP16WithoutCpp(FP16Kernels):
+    """Offered to the kernels (``kernel_format``) but with no C++ (``cpp`` None): the CPU kernel refuses it."""
+    name = "fp16-no-cpp-test"
+
+    def cpp(self, k, fmt, col):
+        return None
+
+
+@pytest.mark.parametrize("fp16", [FP16WithoutCpp], indirect=True)
+def test_a_codec_without_cpu_kernel_hooks_runs_staged_with_a_warning_naming_it(fp16):
+    if cpu_kernels.available() is not None:
+        pytest.skip(f"no CPU kernel here: {cpu_kernels.available()}")
+    with pytest.warns(RuntimeWarning, match="fp16-no-cpp-test gives no CPU kernel hooks"):
+        params, opt, paths = _fp16_run("fused", fp16.name)
+    want, ref, _ = _fp16_run("fused", round_states=True)
+    assert "cpu_kernel" not in paths, paths
+    for p, q in zip(params, want):
+        assert torch.equal(p, q)
+        assert torch.equal(opt.state[p]["exp_avg"].float(), ref.state[q]["exp_avg"])
+
+
 @pytest.mark.parametrize("fp16", [FP16Kernels], indirect=True)
 def test_a_registered_codec_with_triton_hooks_runs_in_the_stored_state_kernel(fp16, monkeypatch):
     """The Triton kernel over stored state (under Triton's interpreter) takes its pointers, loads and stores from

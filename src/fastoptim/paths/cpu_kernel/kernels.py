@@ -86,6 +86,9 @@ def kernel_source(update: Callable, flags: tuple, formats: tuple, n_scalars: int
     col = {name: k for k, name in enumerate(cols)}
     active = [k for k, f in enumerate(formats) if f is not None]
     pieces = {k: codecs.of(formats[k]).cpp(k, formats[k], col) for k in active}  # each state's (``storage.codecs``)
+    missing = sorted({codecs.of(formats[k]).name for k in active if pieces[k] is None})
+    if missing:  # (a format a kernel was offered without its C++: the bucket runs staged)
+        raise KernelUnavailable(f"state format {', '.join(missing)} gives no CPU kernel hooks (Codec.cpp)")
     tops = [k for k in active if pieces[k].top]
     lines, outputs = cpp_twin.trace(update, ["p_", "g_"] + [f"s{k}_" if f is not None else "" for k, f in
                                                             enumerate(formats)],
