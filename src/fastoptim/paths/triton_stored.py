@@ -27,8 +27,9 @@ keeps them, in one launch per bucket (and state formats) and one pass over memor
   params are the staged path's bit for bit.
 
 What it takes (``signature``): contiguous params and grads of one shape, fp32 (bf16 when rounded
-stochastically or with Kahan), every active state bf16 or a ``QuantizedState`` (not sharded), all of one
-width. The rest runs staged (``paths.staged``).
+stochastically or with Kahan), every active state one its codec offers (``Codec.kernel_format``: bf16, a
+``QuantizedState`` not sharded), all of one codec, whose hooks give the pointers, loads and stores. The rest
+runs staged (``paths.staged``).
 
 HBM traffic per param, on paper (the whole-rows branch; the map and the encoder's table are gathered
 from L1/L2): AdamW fp32 params, 8-bit states: p 4 + 4, g 4, two codes 1 + 1 each, absmax 2 x (4 + 4) / 256:
@@ -218,7 +219,7 @@ def _body(formats: Sequence[Format | None], n_scalars: int, n_flags: int, whole:
 
 def row_length(formats: Sequence[Format | None], rounding: str = "nearest") -> int:
     """int64 columns of one tensor's table row: n_blocks, length, blocks per row, whole, p, g, with Kahan
-    rounding the compensation, then per state its bf16 address or its codes' and absmax's."""
+    rounding the compensation, then per state its codec's pointers (bf16: one; codes and absmax: two)."""
     return 6 + (rounding == "kahan") + sum(0 if f is None else len(codecs.of(f).triton_pointers(0, f)) for f in formats)
 
 
