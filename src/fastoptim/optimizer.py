@@ -145,7 +145,10 @@ class FastOptimizer(torch.optim.Optimizer):
             group.setdefault(k, v)
         if self.flat:
             bits, min_quant_size, _ = self._storage_settings(group)
-            kept_apart = lambda p: storage.format_for(p, "", bits, min_quant_size, frozenset()).quantized  # noqa: E731
+
+            def kept_apart(p):  # a state not kept as one tensor is no view of a flat buffer (``plan._build_flat``)
+                fmt = storage.format_for(p, "", bits, min_quant_size, frozenset())
+                return storage.codecs.of(fmt).tensor_dtype(p.dtype) is None
             self._flat_buckets.append([FlatBucket(ps, first=kept_apart) for ps in by_key.values()])
         if self.rule.for_group(group).eager_state:
             for p in group["params"]:
@@ -185,7 +188,8 @@ class FastOptimizer(torch.optim.Optimizer):
         if rounding != "nearest" and any(p.dtype == torch.complex32 for p in group.get("params", ())):
             raise ValueError(f"rounding={rounding!r} takes real bf16/fp16 params; this group has complex32 params: "
                              "use rounding='nearest' for them")
-        why = self.rule.for_group(group).refuses_quantized_state(group) if bits in (8, 4) else None
+        why = self.rule.for_group(group).refuses_quantized_state(group) if storage.codecs.for_bits(bits).quantized \
+            else None
         if why:
             raise ValueError(f"{type(self).__name__} with state_bits={bits}: {why}")
 
@@ -488,8 +492,8 @@ class FastOptimizer(torch.optim.Optimizer):
                     raise ValueError(f"loaded state dict's {name!r} for param {index} has shape "
                                      f"{tuple(value.shape)}; it must have shape {shape} (the param has shape "
                                      f"{tuple(p.shape)})")
-                if value.dtype == torch.bfloat16 != p.dtype \
-                        and self._state_format(p, name, group_of[id(p)]).bits == 16:  # kept as saved
+                if value.dtype != p.dtype and value.dtype == storage.codecs.of(
+                        self._state_format(p, name, group_of[id(p)])).tensor_dtype(p.dtype):  # kept as saved (bf16)
                     kept.append((index, p, name, value.to(p.device, copy=True)))
             for name, saved in parts.items():
                 try:

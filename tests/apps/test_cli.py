@@ -279,3 +279,38 @@ def test_curves_runs_flat_levels_at_low_widths(tmp_path):
     losses = {c["curve"]: c["losses"] for c in data["curves"]}
     assert losses["fused flat 8-bit state"] != losses["fused flat"]
     assert max(abs(a - b) for a, b in zip(losses["fused flat 8-bit state"], losses["fused 8-bit state"])) < 1e-5
+
+
+def test_bench_state_format_names_its_rows_as_state_bits_does(tmp_path):
+    """``--state-format`` takes the formats by name (an alias too) and makes the rows ``--state-bits`` makes for
+    the same formats; the JSON config names both spellings."""
+    runs = {}
+    for flags in (["--state-format", "bf16", "int8"], ["--state-bits", "16", "8"]):
+        out_json = tmp_path / f"{flags[0]}.json"
+        assert main(["bench", "--quick", "-w", "gpt", "--params", "300k", "--impl", "fused", "--flat",
+                     *flags, "--peers", "none", "--no-schedulers", "--json", str(out_json)]) == 0
+        runs[flags[0]] = json.loads(out_json.read_text())
+    for data in runs.values():
+        assert (data["config"]["state_format"], data["config"]["state_bits"]) == (["bf16", "dynamic8"], [16, 8])
+    by_name, by_bits = ({r["label"]: r for r in data["results"][0]["rows"]} for data in runs.values())
+    assert set(by_name) == set(by_bits) == {"fastoptim fused", "fastoptim fused 16-bit state",
+                                             "fastoptim fused 8-bit state", "flat floor"}
+    for label, row in by_name.items():
+        assert row["error"] is None and (row["state_bits"], row["state_bytes"]) == (
+            by_bits[label]["state_bits"], by_bits[label]["state_bytes"])
+
+
+def test_state_format_and_state_bits_must_agree(capsys):
+    from fastoptim.cli import build_parser
+
+    args = build_parser().parse_args(["bench", "--state-bits", "8", "4", "--state-format", "dynamic4", "int8"])
+    assert (args.state_bits, args.state_format) == ([8, 4], ["dynamic4", "int8"])  # the same formats: fine
+    for argv in (["bench", "--state-bits", "8", "--state-format", "bf16"],
+                 ["bench", "--state-format", "int8", "int4", "--state-bits", "8"],
+                 ["train", "--state-format", "int8", "--state-bits", "16"]):
+        with pytest.raises(SystemExit) as e:
+            build_parser().parse_args(argv)
+        assert e.value.code == 2 and "name different state formats" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["bench", "--state-format", "fp7"])
+    assert "invalid choice: 'fp7'" in capsys.readouterr().err

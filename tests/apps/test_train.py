@@ -299,3 +299,33 @@ def test_a_failure_in_training_is_reported_whole_with_its_rank(tmp_path, monkeyp
     record = json.loads((tmp_path / "error.json").read_text())["message"]
     assert "Connection closed by peer" in record["message"]
     assert "the real cause" in record["extraInfo"]["py_callstack"]
+
+
+TINY_ARGV = ["--n-layer", "1", "--n-head", "2", "--n-kv-head", "1", "--n-embd", "64", "--block-size", "32",
+             "--batch-size", "4", "--steps", "4", "--warmup", "1", "--eval-every", "4", "--eval-batches", "1",
+             "--save-every", "4", "--sample-tokens", "0", "--no-progress"]
+
+
+def test_state_format_trains_as_state_bits_and_the_summary_names_it(tmp_path):
+    """``--state-format int8`` is ``--state-bits 8``: the same losses and 8-bit codes in the checkpoint; the
+    summary names the format, and the checkpoint's config both spellings."""
+    summaries = {}
+    for flags in (["--state-format", "int8"], ["--state-bits", "8"],
+                  ["--state-bits", "8", "--state-format", "dynamic8"]):
+        out = tmp_path / "_".join(flags)
+        assert cli(["train", *TINY_ARGV, *flags, "--out-dir", str(out), "--json", str(out / "s.json")]) == 0
+        summaries[tuple(flags)] = json.loads((out / "s.json").read_text())
+        saved = torch.load(out / "ckpt.pt", weights_only=False)
+        assert any("exp_avg.codes" in entry for entry in saved["optimizer"]["state"].values())
+        assert (saved["config"]["state_format"], saved["config"]["state_bits"]) == ("dynamic8", 8)
+    losses = [[e["loss"] for e in s["log"]] for s in summaries.values()]
+    assert losses[0] == losses[1] == losses[2]
+    assert {s["state_format"] for s in summaries.values()} == {"dynamic8"}
+
+
+def test_a_config_whose_state_format_and_state_bits_disagree_is_refused():
+    from fastoptim.train.loop import check_config
+
+    with pytest.raises(ValueError, match="--state-bits 16 and --state-format int8 name different state formats"):
+        check_config(TrainConfig(state_bits=16, state_format="int8"))
+    check_config(TrainConfig(state_format="int8"))  # state_bits left at its default: the format decides

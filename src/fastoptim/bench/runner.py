@@ -57,6 +57,11 @@ class ClipThenStep:
 PEER_MODES = ("none", "torch", "fp32", "all")
 
 
+def _state(bits: int | str) -> str:
+    """A row's state format: "8-bit" for a width, a format's own name for one registered beside its width's."""
+    return f"{bits}-bit" if isinstance(bits, int) else bits
+
+
 def rows_for(optimizer: str, impls: list[str], flat_impls: list[str] = (), peers: str = "fp32",
              clip: float | None = None, state_bits: tuple[int, ...] = ()) -> list[Row]:
     """The rows of one optimizer. ``peers``: "none"; "torch" (torch.optim loop / foreach / fused); "fp32"
@@ -64,7 +69,8 @@ def rows_for(optimizer: str, impls: list[str], flat_impls: list[str] = (), peers
     torch.compile of torch's step). With ``clip``, fastoptim rows clip inside the step (``max_grad_norm``),
     torch rows run ``torch.nn.utils.clip_grad_norm_`` first, and one more row shows fastoptim's fused level
     with the separate clip pass, to read off what fusing saves. ``state_bits``: more fastoptim rows, each
-    level (and each flat level) again with its state kept at those widths (``state_bits=``)."""
+    level (and each flat level) again with its state kept at those widths (``state_bits=``; a format's
+    ``key``, its name for one registered beside its width's own)."""
     if peers not in PEER_MODES:
         raise ValueError(f"peers must be one of {PEER_MODES}, got {peers!r}")
     spec = registry.get(optimizer)
@@ -75,10 +81,10 @@ def rows_for(optimizer: str, impls: list[str], flat_impls: list[str] = (), peers
             for impl in impls]
     rows += [Row(f"fastoptim {impl} flat{tag}", "fastoptim", f"{impl}+flat",
                  lambda ps, impl=impl: spec.cls(ps, impl=impl, flat=True, **ours)) for impl in flat_impls]
-    rows += [Row(f"fastoptim {impl} {bits}-bit state{tag}", "fastoptim", f"{impl}+{bits}bit",
+    rows += [Row(f"fastoptim {impl} {_state(bits)} state{tag}", "fastoptim", f"{impl}+{bits}bit",
                  lambda ps, impl=impl, bits=bits: spec.cls(ps, impl=impl, state_bits=bits, **ours), state_bits=bits)
              for bits in state_bits if bits != 32 for impl in impls]
-    rows += [Row(f"fastoptim {impl} flat {bits}-bit state{tag}", "fastoptim", f"{impl}+flat+{bits}bit",
+    rows += [Row(f"fastoptim {impl} flat {_state(bits)} state{tag}", "fastoptim", f"{impl}+flat+{bits}bit",
                  lambda ps, impl=impl, bits=bits: spec.cls(ps, impl=impl, flat=True, state_bits=bits, **ours))
              for bits in state_bits if bits != 32 for impl in flat_impls]
     if clip:

@@ -7,6 +7,7 @@ import sys
 
 import torch
 
+from . import state_format
 from .. import bench, levels, registry
 from ..levels import LEVELS
 
@@ -40,8 +41,13 @@ def add_parser(sub) -> None:
                         "optimizers, torchao's, and torch.compile of torch's step) (default: fp32)")
     p.add_argument("--no-peers", action="store_const", const="none", dest="peers",
                    help="same as --peers none")
-    p.add_argument("--state-bits", type=int, nargs="+", default=[], choices=(16, 8, 4), metavar="BITS",
-                   help="time each level again with its state kept at these widths: 16, 8, 4 (state_bits=)")
+    p.add_argument("--state-format", nargs="+", default=None, choices=state_format.names(), metavar="FORMAT",
+                   action=state_format.Agreeing,
+                   help="time each level again with its state kept in these formats: "
+                        f"{', '.join(state_format.names())} (state_format=)")
+    p.add_argument("--state-bits", type=int, nargs="+", default=None, choices=(16, 8, 4), metavar="BITS",
+                   action=state_format.Agreeing,
+                   help="--state-format by width: 16 (bf16), 8, 4 (state_bits=)")
     p.add_argument("--own-paths", action="store_true",
                    help="every level runs its own path (no routing to a faster level's path)")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
@@ -85,6 +91,8 @@ def _run(args: argparse.Namespace) -> int:
         "cpu" if args.device == "auto" else args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
+    formats = state_format.resolve(args.state_bits, args.state_format)  # (the parser checked they agree)
+    args.state_bits, args.state_format = [c.key for c in formats], [c.name for c in formats]
     if args.quick:
         args.params = min(args.params, 2_000_000)
         args.rounds, args.steps, args.warmup = 3, 1, 1

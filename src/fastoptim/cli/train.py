@@ -10,15 +10,16 @@ import sys
 import traceback
 import typing
 
+from . import state_format
 from ..levels import IMPLS
 from ..registry import OPTIMIZERS
-from ..storage import ROUNDINGS
+from ..storage import ROUNDINGS, codecs
 from ..train.loop import DTYPES, SCHEDULES, TrainConfig, check_config
 
 CHOICES = {"optimizer": tuple(OPTIMIZERS), "dtype": tuple(DTYPES), "param_dtype": tuple(DTYPES),
            "rounding": ROUNDINGS, "schedule": SCHEDULES, "impl": IMPLS,
            "compile_mode": ("default", "reduce-overhead", "max-autotune"), "device": ("auto", "cpu", "cuda"),
-           "state_bits": (32, 16, 8, 4)}
+           "state_bits": (32, 16, 8, 4), "state_format": tuple(state_format.names())}
 
 
 def _optional_float(text: str) -> float | None:
@@ -51,6 +52,10 @@ def add_parser(sub) -> None:
             p.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
         elif f.name == "max_grad_norm":
             p.add_argument(flag, type=_optional_float, default=f.default, help=help_text)
+        elif f.name in state_format.OTHER:  # one setting, two spellings: given both, they must agree
+            base = next((t for t in typing.get_args(kind) if t is not type(None)), kind)
+            p.add_argument(flag, type=base, default=None, choices=CHOICES[f.name], action=state_format.Agreeing,
+                           help=help_text)
         else:
             base = next((t for t in typing.get_args(kind) if t is not type(None)), kind)
             p.add_argument(flag, type=base, default=f.default, choices=CHOICES.get(f.name), help=help_text)
@@ -60,6 +65,9 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # the one format the two flags name (the parser checked that they agree), the config's default where neither
+    (chosen,) = state_format.resolve(args.state_bits, args.state_format) or [codecs.for_bits(TrainConfig.state_bits)]
+    args.state_bits, args.state_format = chosen.key, chosen.name
     cfg = TrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)})
     try:
         check_config(cfg)

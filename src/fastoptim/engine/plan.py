@@ -385,12 +385,14 @@ def _build_flat(plan: Plan, rule, group: dict, fb: FlatBucket, names: list[str],
     if replaced:
         plan.rehome.append(fb)
     formats = {name: [state_format(p, name, group) for p in fb.params] for name in names}
-    apart = [any(formats[n][i].quantized for n in names) for i in range(len(fb.params))]
+    # a state kept as one tensor (its codec's ``tensor_dtype``) can be a view of a flat buffer; one kept as
+    # several (a quantized state's codes and absmax) keeps its param before the buffers, its tensors pooled
+    dtypes = {name: [storage.codecs.of(f).tensor_dtype(fb.dtype) for f in fs] for name, fs in formats.items()}
+    apart = [any(dtypes[n][i] is None for n in names) for i in range(len(fb.params))]
     start = max((i + 1 for i, a in enumerate(apart) if a), default=0)  # the flat buffers' first param
-    tail_format = {n: formats[n][-1] for n in names} if start < len(fb.params) else {}
-    views = {n: fb.state_views(n, start, torch.bfloat16 if fmt.bits == 16 else None)
-             for n, fmt in tail_format.items()}
-    pools = {n: fb.pooled_states(n, [f if f.quantized else None for f in formats[n][:start]]) for n in names}
+    views = {n: fb.state_views(n, start, dtypes[n][-1]) for n in names} if start < len(fb.params) else {}
+    pools = {n: fb.pooled_states(n, [f if d is None else None for f, d in zip(formats[n][:start], dtypes[n])])
+             for n in names}
     fills = {name: rule.initial_value(name, group) for name in names}
     members = [i for i, p in enumerate(fb.params) if id(p) in positions]
     counts, tensors = {}, {}

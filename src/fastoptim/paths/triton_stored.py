@@ -5,7 +5,7 @@ keeps them, in one launch per bucket (and state formats) and one pass over memor
 
 * the work is the codec's blocks (``quant``: 256 elements at 8 bits, 128 at 4, along each row, never
   across dim 0; 16-bit state takes 256-element pieces of the flat tensor). A program takes up to
-  ``CHUNK_TILES`` tiles of ``tile_blocks(bits)`` consecutive blocks of one tensor (``TILE_ELEMENTS``
+  ``CHUNK_TILES`` tiles of ``tile_blocks(block)`` consecutive blocks of one tensor (``TILE_ELEMENTS``
   elements); a tile is a ``[blocks, block]`` register array, so each block's absmax is one max-reduction
   along its row;
 * codes are decoded through the map (a table in device memory) times the block's absmax; the rule's own
@@ -27,8 +27,9 @@ keeps them, in one launch per bucket (and state formats) and one pass over memor
   params are the staged path's bit for bit.
 
 What it takes (``signature``): contiguous params and grads of one shape, fp32 (bf16 when rounded
-stochastically or with Kahan), every active state bf16 or a ``QuantizedState`` (not sharded), all of one
-width. The rest runs staged (``paths.staged``).
+stochastically or with Kahan), every active state one its codec offers (``Codec.kernel_format``: bf16, a
+``QuantizedState`` not sharded), all of one codec, whose hooks give the pointers, loads and stores. The rest
+runs staged (``paths.staged``).
 
 HBM traffic per param, on paper (the whole-rows branch; the map and the encoder's table are gathered
 from L1/L2): AdamW fp32 params, 8-bit states: p 4 + 4, g 4, two codes 1 + 1 each, absmax 2 x (4 + 4) / 256:
@@ -48,19 +49,25 @@ from torch import Tensor
 from .base import pack_scalars, took
 from .triton_kernels import ALIGN, NUM_WARPS, _exec_source, _jit, interpreting, triton_twin
 from .. import storage
-from ..storage import Format, codecs, quant
+from ..storage import Format, codecs
 
-PIECE = 256          # elements per work block at 16 bits (no codec block there)
 TILE_ELEMENTS = 2048  # elements per tile: 16 per thread at 4 warps, one 128-bit load of 8-bit codes
 CHUNK_TILES = 8      # tiles per program
 
 
 def block_of(bits: int) -> int:
-    return quant.BLOCK[bits] if bits in (8, 4) else PIECE
+    """Elements per work block of the format ``state_bits=bits`` names (``codec_block`` of its codec)."""
+    return codec_block((Format(bits),))
 
 
-def tile_blocks(bits: int) -> int:
-    return TILE_ELEMENTS // block_of(bits)
+def codec_block(formats: Sequence[Format | None]) -> int:
+    """Elements per work block: the codec's (``signature``: one codec per param)."""
+    first = next(f for f in formats if f is not None)
+    return codecs.of(first).kernel_block(first)
+
+
+def tile_blocks(block: int) -> int:
+    return TILE_ELEMENTS // block
 
 
 # --- formats the kernel takes --------------------------------------------------------------------------
@@ -128,9 +135,11 @@ def {name}(table, work, grad_mul, found_inf, scalars, keys, {map_args}{scalar_ar
 
 
 def _ptrs(formats: Sequence[Format | None], hinted: bool, rounding: str) -> str:
+    def unhinted(col: int, kind: str) -> str:
+        return f"tl.load(row + {col}).to(tl.pointer_type({kind}))"
+
     def ptr(col: int, kind: str) -> str:
-        text = f"tl.load(row + {col}).to(tl.pointer_type({kind}))"
-        return f"tl.multiple_of({text}, {ALIGN})" if hinted else text
+        return f"tl.multiple_of({unhinted(col, kind)}, {ALIGN})" if hinted else unhinted(col, kind)
 
     value = "tl.float32" if rounding == "nearest" else "tl.int16"  # bf16 params: their bits
     lines = [f"p_ptr = {ptr(4, value)}", f"g_ptr = {ptr(5, value)}"]
@@ -141,13 +150,9 @@ def _ptrs(formats: Sequence[Format | None], hinted: bool, rounding: str) -> str:
     for i, fmt in enumerate(formats):
         if fmt is None:
             continue
-        if fmt.bits == 16:
-            lines.append(f"s{i}_ptr = {ptr(col, 'tl.int16')}")
+        for name, kind, aligned in codecs.of(fmt).triton_pointers(i, fmt):  # one column each
+            lines.append(f"{name} = {ptr(col, kind) if aligned else unhinted(col, kind)}")
             col += 1
-        else:
-            lines.append(f"s{i}_codes = {ptr(col, 'tl.uint8')}")
-            lines.append(f"s{i}_absmax = tl.load(row + {col + 1}).to(tl.pointer_type(tl.float32))")
-            col += 2
     return "\n".join(" " * 8 + line for line in lines)
 
 
@@ -183,15 +188,8 @@ def _store_param(rounding: str) -> list[str]:
 
 def _body(formats: Sequence[Format | None], n_scalars: int, n_flags: int, whole: bool, rounding: str) -> str:
     lines = []
-    if any(f is not None and f.bits == 4 for f in formats):
-        kb = "tl.arange(0, QB // 2)"
-        if whole:
-            lines += ["byte_offs = tl.multiple_of(b0 * (QB // 2), QB // 2) + tile[:, None] * (QB // 2)"
-                      f" + {kb}[None, :]",
-                      "byte_mask = block_mask[:, None]"]
-        else:
-            lines += [f"byte_offs = (r * ((length + 1) // 2) + j * (QB // 2))[:, None] + {kb}[None, :]",
-                      f"byte_mask = block_mask[:, None] & ({kb}[None, :] < ((n_in + 1) // 2)[:, None])"]
+    for codec in dict.fromkeys(codecs.of(f) for f in formats if f is not None):  # each codec's, once
+        lines += codec.triton_prelude(whole)
     if rounding != "nearest":  # bf16 bits widened exactly
         lines += [f"{x} = (tl.load({x}_ptr + offs, mask=mask, other=0).to(tl.int32) << 16)"
                   f".to(tl.float32, bitcast=True)" for x in ("p", "g")]
@@ -221,8 +219,8 @@ def _body(formats: Sequence[Format | None], n_scalars: int, n_flags: int, whole:
 
 def row_length(formats: Sequence[Format | None], rounding: str = "nearest") -> int:
     """int64 columns of one tensor's table row: n_blocks, length, blocks per row, whole, p, g, with Kahan
-    rounding the compensation, then per state its bf16 address or its codes' and absmax's."""
-    return 6 + (rounding == "kahan") + sum(0 if f is None else 1 if f.bits == 16 else 2 for f in formats)
+    rounding the compensation, then per state its codec's pointers (bf16: one; codes and absmax: two)."""
+    return 6 + (rounding == "kahan") + sum(0 if f is None else len(codecs.of(f).triton_pointers(0, f)) for f in formats)
 
 
 @lru_cache(maxsize=None)
@@ -233,11 +231,11 @@ def kernel_for(update: Callable, formats: tuple, n_scalars: int, n_flags: int, i
     if rounding not in ROUNDINGS:
         raise ValueError(f"rounding {rounding!r} is not one of {ROUNDINGS}")
     tag = "_".join("x" if f is None else f.tag.replace("/", "b") for f in formats)
+    tag = "".join(c if c.isalnum() or c == "_" else "_" for c in tag)  # (a codec's name may hold any character)
     name = f"{update.__name__}_stored_{tag}" + ("" if rounding == "nearest" else f"_bf16_{rounding}")
-    maps = [i for i, f in enumerate(formats) if f is not None and f.quantized]
     source = _TEMPLATE.format(
         name=name,
-        map_args="".join(f"s{i}_map, s{i}_lut, " for i in maps),
+        map_args="".join(f"{arg}, " for arg, _ in _table_args(formats)),
         scalar_args="".join(f"c{i}, " for i in range(n_scalars)),
         scalar_loads="\n".join(f"        c{i} = tl.load(scalars + {i})" for i in range(n_scalars)) or "        pass",
         flag_args=", ".join(f"F{i}: tl.constexpr" for i in range(n_flags)),
@@ -253,16 +251,17 @@ def kernel_for(update: Callable, formats: tuple, n_scalars: int, n_flags: int, i
     return _jit(fn, interpret)
 
 
+def _table_args(formats: Sequence[Format | None]) -> list[tuple[str, str]]:
+    """The kernel's arguments for the states' tables (a map's values, an encoder's): (name, type)."""
+    return [arg for i, f in enumerate(formats) if f is not None for arg in codecs.of(f).triton_tables(i, f)]
+
+
 # --- tables ---------------------------------------------------------------------------------------------
 
-def _layout(p: Tensor, bits: int) -> tuple[int, int, int]:
-    """(blocks, row length, blocks per row) the kernel walks for ``p``."""
-    if bits in (8, 4):
-        rows, length = quant.rows_of(p.shape)
-        per_row = -(-length // quant.BLOCK[bits])
-        return rows * per_row, length, per_row
-    per_row = -(-p.numel() // PIECE)
-    return per_row, p.numel(), per_row
+def _layout(p: Tensor, fmt: Format) -> tuple[int, int, int]:
+    """(blocks, row length, blocks per row) the kernel walks for ``p``: its codec's rows and blocks."""
+    rows, length, blocks = codecs.of(fmt).walk(p, fmt)
+    return blocks, length, blocks // rows if rows else 0
 
 
 class StoredTable:
@@ -278,15 +277,16 @@ class StoredTable:
         addresses += [t.data_ptr() for t in comps or ()]
         for column, fmt in zip(states, formats):
             if fmt is not None:
-                addresses += [s.data_ptr() if fmt.bits == 16 else (s.codes.data_ptr(), s.absmax.data_ptr())
-                              for s in column]
+                tensors = codecs.of(fmt).tensors
+                addresses += [tuple(map(Tensor.data_ptr, tensors(s))) for s in column]
         if addresses == self.key:
             return
-        bits = next(f.bits for f in formats if f is not None)
-        per_program = CHUNK_TILES * tile_blocks(bits)
+        first = next(f for f in formats if f is not None)
+        block = codec_block(formats)
+        per_program = CHUNK_TILES * tile_blocks(block)
         rows, work = [], []
         for t, (p, g) in enumerate(zip(params, grads)):
-            n_blocks, length, per_row = _layout(p, bits)
+            n_blocks, length, per_row = _layout(p, first)
             columns = [p.data_ptr(), g.data_ptr()]
             bases = [p.data_ptr(), g.data_ptr()]
             if comps is not None:
@@ -295,14 +295,12 @@ class StoredTable:
             for column, fmt in zip(states, formats):
                 if fmt is None:
                     continue
-                s = column[t]
-                if fmt.bits == 16:
-                    columns.append(s.data_ptr())
-                    bases.append(s.data_ptr())
-                else:
-                    columns += [s.codes.data_ptr(), s.absmax.data_ptr()]
-                    bases.append(s.codes.data_ptr())
-            whole = length % block_of(bits) == 0 and all(a % ALIGN == 0 for a in bases)
+                codec = codecs.of(fmt)
+                for tensor, (_, _, aligned) in zip(codec.tensors(column[t]), codec.triton_pointers(0, fmt)):
+                    columns.append(tensor.data_ptr())
+                    if aligned:  # read with the whole-rows branch's alignment hint
+                        bases.append(tensor.data_ptr())
+            whole = length % block == 0 and all(a % ALIGN == 0 for a in bases)
             rows.append([n_blocks, length, per_row, int(whole), *columns])
             work += [(t, b) for b in range(0, n_blocks, per_program)]
         device = params[0].device
@@ -313,8 +311,8 @@ class StoredTable:
 
 
 @lru_cache(maxsize=None)
-def _maps(qmap: quant.QuantMap, device: torch.device) -> tuple[Tensor, Tensor]:
-    return qmap.table(device), quant.encoder(qmap, device).lut
+def _tables(fmt: Format, device: torch.device) -> tuple[Tensor, ...]:
+    return codecs.of(fmt).tables(fmt, device)
 
 
 def run(update: Callable, params: list[Tensor], grads: list[Tensor], states: list[list | None], formats: tuple,
@@ -324,16 +322,13 @@ def run(update: Callable, params: list[Tensor], grads: list[Tensor], states: lis
     """One launch over params that all have state ``formats`` (see ``signature``). bf16 params: rounded
     stochastically with ``rounding_keys`` (one per param, ``storage.rounding_keys``), or with Kahan's
     compensations ``comps`` (bf16, one per param)."""
-    bits = next(f.bits for f in formats if f is not None)
+    block = codec_block(formats)
     stochastic = rounding_keys is not None
     rounding = "stochastic" if stochastic else "kahan" if comps is not None else "nearest"
     kernel = kernel_for(update, formats, len(scalars), len(flags), interpreting(), rounding)
     table.update(params, grads, states, formats, comps)
     device = params[0].device
-    maps = []
-    for fmt in formats:
-        if fmt is not None and fmt.quantized:
-            maps += list(_maps(fmt.qmap, device))
+    maps = [t for fmt in formats if fmt is not None for t in _tables(fmt, device)]
     dummy = table.table
     in_memory = any(isinstance(c, Tensor) for c in scalars)
     packed = pack_scalars(scalars, device) if in_memory else dummy
@@ -343,7 +338,7 @@ def run(update: Callable, params: list[Tensor], grads: list[Tensor], states: lis
         found_inf if found_inf is not None else dummy, packed,
         rounding_keys.to(device, non_blocking=True) if stochastic else dummy, *maps,
         *[0.0 if in_memory else float(c) for c in scalars],
-        TB=tile_blocks(bits), QB=block_of(bits), CHUNK_TILES=CHUNK_TILES, STOCHASTIC=stochastic,
+        TB=tile_blocks(block), QB=block, CHUNK_TILES=CHUNK_TILES, STOCHASTIC=stochastic,
         HAS_GRAD_MUL=grad_mul is not None, HAS_INF=found_inf is not None, SCALARS_IN_MEMORY=in_memory,
         **{f"F{i}": bool(f) for i, f in enumerate(flags)}, num_warps=NUM_WARPS, enable_fp_fusion=False)
 
@@ -358,15 +353,13 @@ def compile_for_gpu(rule, group: dict, formats: tuple, capability: int = 90, gra
 
     flags = rule.flags(group)
     n_scalars = len(rule.scalars(group, 1, *rule.host_start(group)))
-    bits = next(f.bits for f in formats if f is not None)
+    block = codec_block(formats)
     kernel = kernel_for(rule.update, formats, n_scalars, len(flags), False, rounding)
     signature = {"table": "*i64", "work": "*i64", "grad_mul": "*fp32", "found_inf": "*fp32", "scalars": "*fp32",
                  "keys": "*i64"}
-    for i, fmt in enumerate(formats):
-        if fmt is not None and fmt.quantized:
-            signature.update({f"s{i}_map": "*fp32", f"s{i}_lut": "*i32"})
+    signature.update(dict(_table_args(formats)))
     signature.update({f"c{i}": "fp32" for i in range(n_scalars)})
-    constants = dict(TB=tile_blocks(bits), QB=block_of(bits), CHUNK_TILES=CHUNK_TILES,
+    constants = dict(TB=tile_blocks(block), QB=block, CHUNK_TILES=CHUNK_TILES,
                      STOCHASTIC=rounding == "stochastic",
                      HAS_GRAD_MUL=grad_mul,
                      HAS_INF=found_inf, SCALARS_IN_MEMORY=False, **{f"F{i}": bool(f) for i, f in enumerate(flags)})

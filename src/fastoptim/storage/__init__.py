@@ -34,20 +34,24 @@ STATE_BITS = (32, 16, 8, 4)
 MIN_QUANT_SIZE = 4096
 
 
-def check_state_bits(value: Any, where: str = "state_bits") -> int:
+def check_state_bits(value: Any, where: str = "state_bits") -> int | str:
+    """A width (``STATE_BITS``), or the name of a codec registered beside its width's own (``codecs.register``:
+    what groups carry for it)."""
+    if isinstance(value, str) and value in codecs.keys():
+        return value
     if isinstance(value, bool) or value not in STATE_BITS:
         raise ValueError(f"Invalid {where}: {value!r} (must be one of {', '.join(map(str, STATE_BITS))})")
     return value
 
 
-def state_bits_of(state_bits: Any = None, state_format: Any = None) -> int:
+def state_bits_of(state_bits: Any = None, state_format: Any = None) -> int | str:
     """The ``state_bits`` that a constructor's ``state_bits=``/``state_format=`` name (32 when neither is given).
     ``state_format`` is a codec's name or alias (``storage.codecs``); ``state_bits`` stays what param groups and
     checkpoints carry, so both spellings give the same optimizer. Both given and naming different formats: a
     ValueError naming both."""
     if state_format is None:
         return 32 if state_bits is None else check_state_bits(state_bits)
-    bits = codecs.lookup(state_format).bits
+    bits = codecs.lookup(state_format).key  # its width, for the built-in formats
     if state_bits is not None and check_state_bits(state_bits) != bits:
         raise ValueError(f"state_bits={state_bits!r} and state_format={state_format!r} name different formats "
                          f"(state_format={state_format!r} is state_bits={bits}); give one of them")
@@ -145,10 +149,10 @@ def element_index(param: Tensor) -> Tensor:
     return index
 
 
-def format_for(p: Tensor, name: str, bits: int, min_quant_size: int, unsigned_states: frozenset) -> Format:
-    """The format a state of ``p`` is kept in at ``bits`` (its codec decides: quantized widths only for params
-    with >= 2 dims and ``min_quant_size`` elements; complex params, stepped through their real view, stay
-    plain)."""
+def format_for(p: Tensor, name: str, bits: int | str, min_quant_size: int, unsigned_states: frozenset) -> Format:
+    """The format a state of ``p`` is kept in at ``bits`` (a ``state_bits``; its codec decides: quantized widths
+    only for params with >= 2 dims and ``min_quant_size`` elements; complex params, stepped through their real
+    view, stay plain)."""
     if p.is_complex() or not p.is_floating_point():
         return PLAIN
     return codecs.for_bits(bits).format_for(p, name, min_quant_size, unsigned_states)
@@ -159,26 +163,30 @@ def make(p: Tensor, fmt: Format, value: float) -> Tensor | QuantizedState:
     return codecs.of(fmt).make(p, fmt, value)
 
 
-def pooled(shapes: list[torch.Size], formats: list[Format | None], device) -> tuple[list, tuple[Tensor, Tensor]]:
-    """New quantized states (their values unset), one per shape in its format (None: no state), whose codes
-    and absmax are views of one codes buffer and one absmax buffer: a check of those two buffers' addresses
-    covers them all (``share_memory_()`` or a resize moves a buffer, views and all). Returns (states, buffers).
-    Each view starts a multiple of 16 bytes into its buffer (the GPU kernel's vector loads)."""
-    sizes = [(math.prod(quant.codes_shape(s, f.bits)), math.prod(quant.absmax_shape(s, f.block)))
-             if f is not None else (0, 0) for s, f in zip(shapes, formats)]
-    codes = torch.empty(sum(_aligned(c, 16) for c, _ in sizes), dtype=torch.uint8, device=device)
-    absmax = torch.empty(sum(_aligned(a, 4) for _, a in sizes), dtype=torch.float32, device=device)
-    states, at_codes, at_absmax = [], 0, 0
-    for shape, fmt, (n_codes, n_absmax) in zip(shapes, formats, sizes):
+def pooled(shapes: list[torch.Size], formats: list[Format | None], device) -> tuple[list, tuple[Tensor, ...]]:
+    """New states kept as several tensors (their values unset; a codec whose ``tensor_dtype`` is None), one per
+    shape in its format (None: no state), whose tensors are views of one buffer per part (``Codec.parts``: a
+    quantized state's codes and absmax): a check of those buffers' addresses covers them all
+    (``share_memory_()`` or a resize moves a buffer, views and all). Returns (states, buffers). Each view
+    starts a multiple of 16 bytes into its buffer (the GPU kernel's vector loads)."""
+    parts = [codecs.of(f).parts(s, f) if f is not None else None for s, f in zip(shapes, formats)]
+    dtypes = {tuple(dtype for dtype, _ in p) for p in parts if p is not None}
+    if len(dtypes) > 1:
+        raise ValueError(f"pooled states must be kept in the same tensors, got {sorted(map(str, dtypes))}")
+    dtypes = next(iter(dtypes), (torch.uint8, torch.float32))  # (no state at all: two empty buffers, as before)
+    units = [16 // dtype.itemsize for dtype in dtypes]  # elements in 16 bytes
+    sizes = [[math.prod(shape) for _, shape in p] if p is not None else [0] * len(dtypes) for p in parts]
+    buffers = tuple(torch.empty(sum(_aligned(n[j], unit) for n in sizes), dtype=dtype, device=device)
+                    for j, (dtype, unit) in enumerate(zip(dtypes, units)))
+    states, at = [], [0] * len(dtypes)
+    for shape, fmt, part, n in zip(shapes, formats, parts, sizes):
         if fmt is None:
             states.append(None)
             continue
-        states.append(QuantizedState(codes[at_codes:at_codes + n_codes].view(quant.codes_shape(shape, fmt.bits)),
-                                     absmax[at_absmax:at_absmax + n_absmax].view(quant.absmax_shape(shape, fmt.block)),
-                                     fmt, torch.Size(shape)))
-        at_codes += _aligned(n_codes, 16)
-        at_absmax += _aligned(n_absmax, 4)
-    return states, (codes, absmax)
+        views = [buffers[j][at[j]:at[j] + n[j]].view(part[j][1]) for j in range(len(dtypes))]
+        states.append(codecs.of(fmt).assemble(views, fmt, torch.Size(shape)))
+        at = [a + _aligned(n[j], units[j]) for j, a in enumerate(at)]
+    return states, buffers
 
 
 def _aligned(n: int, unit: int) -> int:
@@ -191,6 +199,7 @@ def adopt(value: Any, p: Tensor, fmt: Format) -> Tensor | QuantizedState:
     A quantized state on another device than the param's (left there by code that moved tensors only) is
     moved to it byte for byte; a tensor there is refused, as torch.optim's step refuses it. Raises ValueError
     naming what does not fit."""
+    codec = codecs.of(fmt)
     if isinstance(value, QuantizedState):
         why = value.layout_error()
         if why:
@@ -199,26 +208,15 @@ def adopt(value: Any, p: Tensor, fmt: Format) -> Tensor | QuantizedState:
             value = value.to(p.device)
         if value.fmt == fmt and value.shape == p.shape:
             return value.seal()  # a step holds its tensors from now on
-        if fmt.quantized and value.shape == p.shape:  # another width: through fp32
-            return QuantizedState.of(value.dequantize().to(p.device), fmt)
+        if codec.tensor_dtype(p.dtype) is None and value.shape == p.shape:  # kept otherwise too: through fp32
+            return codec.adopt(value.dequantize().to(p.device), p, fmt)
         return adopt(value.dequantize(p.dtype).to(p.device), p, fmt)
     if not isinstance(value, Tensor):
         raise TypeError(f"must be a tensor, got {type(value).__name__}")
     if value.shape != p.shape or value.device != p.device:
         raise ValueError(f"has shape {tuple(value.shape)}, device {value.device}; the param has shape "
                          f"{tuple(p.shape)}, device {p.device}")
-    wanted = p.dtype if fmt.plain else torch.bfloat16 if fmt.bits == 16 else None
-    if wanted is not None and value.dtype != wanted:
-        if fmt.plain and value.dtype == torch.bfloat16 and p.is_floating_point():  # kept at 16 bits before
-            return value.to(p.dtype)
-        if fmt.plain:
-            raise ValueError(f"has dtype {value.dtype}; the param has dtype {p.dtype}")
-        return value.to(torch.bfloat16)  # rounds to nearest
-    if fmt.quantized:
-        if not value.is_floating_point():
-            raise ValueError(f"has dtype {value.dtype}; a state must be floating point")
-        return QuantizedState.of(value, fmt)
-    return value
+    return codec.adopt(value, p, fmt)  # converted as its codec keeps it (rounds to nearest)
 
 
 def is_plain(state: Any, p: Tensor) -> bool:
@@ -249,25 +247,21 @@ def store(state: Tensor | QuantizedState, values: Tensor) -> None:
 
 def kernel_format(state: Any, p: Tensor) -> Format | None:
     """The format ``state`` of ``p`` is kept in, where a kernel can load and store it in place (its tensors
-    local, contiguous and laid out as the codec lays them out), else None."""
+    local, contiguous and laid out as the codec lays them out: the codec that claims it says), else None."""
     if isinstance(state, QuantizedState):
-        if _is_dtensor(state.codes) or state.shape != p.shape or state.device != p.device:
-            return None
-        ok = (state.codes.dtype == torch.uint8 and state.codes.is_contiguous() and state.absmax.is_contiguous()
-              and state.absmax.dtype == torch.float32
-              and tuple(state.codes.shape) == quant.codes_shape(p.shape, state.fmt.bits)
-              and tuple(state.absmax.shape) == quant.absmax_shape(p.shape, state.fmt.block))
-        return state.fmt if ok else None
-    if isinstance(state, Tensor) and not _is_dtensor(state) and state.dtype == torch.bfloat16 \
-            and state.is_contiguous() and state.shape == p.shape and state.device == p.device:
-        return Format(16)
+        return codecs.of(state.fmt).kernel_format(state, p)
+    for codec in codecs.CODECS.values():
+        fmt = codec.kernel_format(state, p)
+        if fmt is not None:
+            return fmt
     return None
 
 
 def kernel_signature(params: list[Tensor], grads: list[Tensor], states: list[list | None], i: int,
                      dtype: torch.dtype = torch.float32) -> tuple | None:
     """The state formats of param ``i`` where a kernel takes it whole (local contiguous params and grads of
-    ``dtype``, every active state 16, 8 or 4-bit and all of one width), else None."""
+    ``dtype``, every active state one a kernel takes, ``kernel_format``, and all of one codec: the kernel walks
+    a param one way), else None."""
     p, g = params[i], grads[i]
     if _is_dtensor(p) or _is_dtensor(g) or p.dtype != dtype or g.dtype != dtype:
         return None
@@ -282,8 +276,8 @@ def kernel_signature(params: list[Tensor], grads: list[Tensor], states: list[lis
         if fmt is None:
             return None
         formats.append(fmt)
-    widths = {f.bits for f in formats if f is not None}
-    return tuple(formats) if len(widths) == 1 else None
+    kept_by = {codecs.of(f) for f in formats if f is not None}
+    return tuple(formats) if len(kept_by) == 1 else None
 
 
 def needs_staging(params: list[Tensor], states: list[list | None]) -> bool:
@@ -369,14 +363,15 @@ def import_quantized(name: str, parts: tuple, p: Tensor) -> QuantizedState:
     if shape != str(list(p.shape)):
         raise ValueError(f"state {name!r} was saved for a param of shape {shape}, this param has shape "
                          f"{list(p.shape)}")
-    if not isinstance(codes, Tensor) or codes.dtype != torch.uint8 \
-            or tuple(codes.shape) != quant.codes_shape(p.shape, fmt.bits):
-        raise ValueError(f"state {name!r}: codes must be a uint8 tensor of shape "
-                         f"{quant.codes_shape(p.shape, fmt.bits)} for a param of shape {tuple(p.shape)}")
-    want = quant.absmax_shape(p.shape, fmt.block)
-    if not isinstance(absmax, Tensor) or absmax.dtype != torch.float32 or tuple(absmax.shape) != want:
-        raise ValueError(f"state {name!r}: absmax must be a float32 tensor of shape {want}")
-    return QuantizedState(codes.to(p.device, copy=True), absmax.to(p.device, copy=True), fmt, p.shape)
+    codec = codecs.of(fmt)
+    kept = []
+    for part, value, (dtype, want) in zip(("codes", "absmax"), (codes, absmax), codec.parts(p.shape, fmt)):
+        if not isinstance(value, Tensor) or value.dtype != dtype or tuple(value.shape) != want:
+            dtype_name = str(dtype).removeprefix("torch.")
+            raise ValueError(f"state {name!r}: {part} must be a {dtype_name} tensor of shape {want}"
+                             + (f" for a param of shape {tuple(p.shape)}" if part == "codes" else ""))
+        kept.append(value.to(p.device, copy=True))
+    return codec.assemble(kept, fmt, p.shape)
 
 
 def torch_value(value: Any, p: Tensor) -> Any:

@@ -27,11 +27,14 @@ from . import quant
 
 
 class Format:
-    """How one state of one param is stored. ``bits`` 32 is plain (the param's dtype). Immutable."""
+    """How one state of one param is stored. ``bits`` 32 is plain (the param's dtype). ``codec``: the name of
+    the codec that keeps it where that is not its width's own (one registered beside the built-in formats;
+    ``storage.codecs.of``), else None. Immutable."""
 
-    def __init__(self, bits: int, signed: bool = True):
+    def __init__(self, bits: int, signed: bool = True, codec: str | None = None):
         object.__setattr__(self, "bits", bits)
         object.__setattr__(self, "signed", signed)
+        object.__setattr__(self, "codec", codec)
 
     def __setattr__(self, name, value):
         raise AttributeError(f"a Format is immutable (tried to set {name!r})")
@@ -39,46 +42,51 @@ class Format:
     def __eq__(self, other):
         if not isinstance(other, Format):
             return NotImplemented
-        return (self.bits, self.signed) == (other.bits, other.signed)
+        return (self.bits, self.signed, self.codec) == (other.bits, other.signed, other.codec)
 
     def __hash__(self) -> int:
-        return hash((self.bits, self.signed))
+        return hash((self.bits, self.signed) if self.codec is None else (self.bits, self.signed, self.codec))
 
     def __reduce__(self):
-        return Format, (self.bits, self.signed)
+        return Format, (self.bits, self.signed) if self.codec is None else (self.bits, self.signed, self.codec)
 
     def __repr__(self) -> str:
-        return f"Format(bits={self.bits}, signed={self.signed})"
+        codec = "" if self.codec is None else f", codec={self.codec!r}"
+        return f"Format(bits={self.bits}, signed={self.signed}{codec})"
 
     @property
     def plain(self) -> bool:
-        return self.bits == 32
+        return self.bits == 32 and self.codec is None
+
+    # what the format's codec says (``storage.codecs``): a quantized format's map and block, and its tag
 
     @property
     def quantized(self) -> bool:
-        return self.bits in (8, 4)
+        return _codecs().of(self).quantized
 
     @property
     def qmap(self) -> quant.QuantMap:
-        return quant.map_for(self.bits, self.signed)
+        return _codecs().of(self).qmap(self)
 
     @property
     def block(self) -> int:
-        return quant.BLOCK[self.bits]
+        return _codecs().of(self).block(self)
 
     @property
     def tag(self) -> str:
         """What a checkpoint records: the map and block size (the codes mean nothing without them)."""
-        return f"{self.qmap.name}/{self.block}" if self.quantized else f"bits{self.bits}"
+        return _codecs().of(self).tag(self)
 
     @staticmethod
     def from_tag(tag: str) -> "Format":
-        for bits in (8, 4):
-            for signed in (True, False):
-                fmt = Format(bits, signed)
-                if fmt.tag == tag:
-                    return fmt
-        raise ValueError(f"unknown quantized state format {tag!r}")
+        """The quantized format whose ``tag`` is ``tag`` (ValueError where none is)."""
+        return _codecs().from_tag(tag)
+
+
+def _codecs():
+    from . import codecs  # (they import this module: ``Format`` is what they make)
+
+    return codecs
 
 
 PLAIN = Format(32)

@@ -16,7 +16,7 @@ import torch
 
 from .. import data as corpus
 from .. import factory, schedules, timing
-from ..storage import ROUNDINGS
+from ..storage import ROUNDINGS, codecs
 from . import checkpoint
 from .model import GPT, GPTConfig
 
@@ -38,6 +38,7 @@ class TrainConfig:
     impl: str = "auto"                 # fastoptim level: auto, loop, foreach, fused, compiled
     flat: bool = False                 # params, grads and states in one buffer per group
     state_bits: int = 32               # optimizer state: 32, 16 (bf16), 8 or 4 (block-wise quantized)
+    state_format: str | None = None    # optimizer state by name (fp32, bf16, dynamic8, ...); state_bits by width
     lr: float = 3e-3                   # peak learning rate
     min_lr_ratio: float = 0.1          # final lr as a fraction of the peak
     weight_decay: float = 0.1          # decoupled decay on >= 2-D weights (none on norms and biases)
@@ -102,8 +103,21 @@ def param_dtype(cfg: TrainConfig) -> str:
     return cfg.dtype if cfg.rounding != "nearest" else "fp32"
 
 
+def state_bits(cfg: TrainConfig) -> int | str:
+    """The optimizer's ``state_bits``: ``state_format``'s where it is given (a ``state_bits`` other than the
+    default must name the same format), else ``state_bits``."""
+    if cfg.state_format is None:
+        return cfg.state_bits
+    bits = codecs.lookup(cfg.state_format).key
+    if cfg.state_bits not in (32, bits):
+        raise ValueError(f"--state-bits {cfg.state_bits} and --state-format {cfg.state_format} name different state "
+                         f"formats; give one of them")
+    return bits
+
+
 def check_config(cfg: TrainConfig) -> None:
     """Every bad setting named before anything is built."""
+    state_bits(cfg)
     if cfg.schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {SCHEDULES}, got {cfg.schedule!r}")
     if cfg.dtype not in DTYPES:
@@ -223,7 +237,7 @@ def _train(cfg: TrainConfig, rank: int, world: int) -> dict:
             fully_shard(block)
         fully_shard(model)
     opt = factory.create(model, cfg.optimizer, lr=cfg.lr, weight_decay=cfg.weight_decay, impl=cfg.impl,
-                         flat=cfg.flat, max_grad_norm=cfg.max_grad_norm, state_bits=cfg.state_bits,
+                         flat=cfg.flat, max_grad_norm=cfg.max_grad_norm, state_bits=state_bits(cfg),
                          rounding=cfg.rounding)
     scheduler = schedules.Scheduler(opt, lr_schedule(cfg))
     scaler = torch.amp.GradScaler(device.type, enabled=cfg.dtype == "fp16")
@@ -323,7 +337,8 @@ def _train(cfg: TrainConfig, rank: int, world: int) -> dict:
     mean_step = stats["step_time"] / max(stats["steps"], 1)
     tokens_per_s = tokens_per_step / mean_step if mean_step else 0.0
     summary = {
-        "rank": rank, "params": n_params, "param_dtype": param_dtype(cfg), "steps": end_step,
+        "rank": rank, "params": n_params, "param_dtype": param_dtype(cfg),
+        "state_format": codecs.for_bits(state_bits(cfg)).name, "steps": end_step,
         "final_loss": log[-1]["loss"] if log else math.nan,
         "val_loss": next((e["val_loss"] for e in reversed(log) if "val_loss" in e), math.nan),
         "tokens_per_s": tokens_per_s, "achieved_gflops": flops_per_token * tokens_per_s / 1e9,

@@ -43,12 +43,12 @@ from torch import Tensor
 
 from . import cpp_twin
 from ... import bulk, native, storage
-from ...storage import Format, codecs, quant
+from ...storage import Format, codecs
 from ...storage.codecs.dynamic import cell_tables  # noqa: F401  (the 8-bit codec's AVX-512 tables)
 
 CXXFLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-shared",
             "-fPIC", "-std=c++17")
-PIECE = 256  # elements per work item at 16 bits (no codec block there)
+MAP_SLOTS = 2  # per state, the addresses of its tables in the kernel's ``maps`` (the template reads two)
 CHUNK_BLOCKS = 64  # the fewest blocks a thread takes at a time
 CHUNKS_PER_THREAD = 8
 
@@ -60,20 +60,19 @@ compiler = native.compiler
 # --- formats a kernel takes -------------------------------------------------------------------------
 
 def signature(params: Sequence[Tensor], grads: Sequence[Tensor], states: Sequence[list | None], i: int):
-    """The state formats of param ``i`` when the kernel takes it whole (fp32, contiguous, every active state
-    16/8/4-bit and of one width), else None."""
+    """The state formats of param ``i`` when the kernel takes it whole (fp32, contiguous, every active state one
+    its codec lets a kernel take, ``storage.kernel_format``, all of one codec), else None."""
     return storage.kernel_signature(params, grads, states, i)
 
 
 # --- the generated source ----------------------------------------------------------------------------
 
 def _column_names(formats: Sequence[Format | None]) -> list[str]:
-    """The int64 columns of one tensor's row in the table."""
+    """The int64 columns of one tensor's row in the table: each state's codec names its own."""
     cols = ["first_block", "rows", "length", "p", "g"]
     for k, fmt in enumerate(formats):
-        if fmt is None:
-            continue
-        cols += [f"s{k}_codes", f"s{k}_absmax"] if fmt.quantized else [f"s{k}"]
+        if fmt is not None:
+            cols += codecs.of(fmt).columns(k, fmt)
     return cols
 
 
@@ -81,28 +80,32 @@ def kernel_source(update: Callable, flags: tuple, formats: tuple, n_scalars: int
     """C++ for one rule, FLAGS and state formats: the shipped template ``step_kernel.cpp`` filled with the rule's
     update (``cpp_twin``) and each state's load, store and codec. Its ``fo_step(table, n_tensors, begin, end,
     scalars, grad_mul, maps)`` runs global blocks ``[begin, end)`` of the tensors in ``table``."""
-    bits = next(f.bits for f in formats if f is not None)
-    block = quant.BLOCK[bits] if bits in (8, 4) else PIECE
+    first = next(f for f in formats if f is not None)
+    block = codecs.of(first).kernel_block(first)  # one walk for all states (``signature``: one codec)
     cols = _column_names(formats)
     col = {name: k for k, name in enumerate(cols)}
     active = [k for k, f in enumerate(formats) if f is not None]
-    quantized = [k for k in active if formats[k].quantized]
+    pieces = {k: codecs.of(formats[k]).cpp(k, formats[k], col) for k in active}  # each state's (``storage.codecs``)
+    missing = sorted({codecs.of(formats[k]).name for k in active if pieces[k] is None})
+    if missing:  # (a format a kernel was offered without its C++: the bucket runs staged)
+        raise KernelUnavailable(f"state format {', '.join(missing)} gives no CPU kernel hooks (Codec.cpp)")
+    tops = [k for k in active if pieces[k].top]
     lines, outputs = cpp_twin.trace(update, ["p_", "g_"] + [f"s{k}_" if f is not None else "" for k, f in
                                                             enumerate(formats)],
                                     [f"sc[{k}]" for k in range(n_scalars)], flags)
     writes = [f"P[i] = {outputs[0]};"] + [f"S{k}[i] = {outputs[1 + k]};" for k in active]
-    # each quantized state's absmax, taken as its new values are written (no pass of its own)
+    # the largest magnitude a state's store needs (a block's absmax), taken as its new values are written (no
+    # pass of its own)
     writes += [f"top{k} = top{k} > magnitude_bits({outputs[1 + k]}) ? top{k} : magnitude_bits({outputs[1 + k]});"
-               for k in quantized]
+               for k in tops]
 
     constants, codec_lines, loads, stores, probes = [], [], [], [], []
-    for k in active:  # each state's codec gives its pieces (``storage.codecs``)
-        pieces = codecs.of(formats[k]).cpp(k, formats[k], col)
-        constants += pieces.constants
-        codec_lines += [pieces.codec] if pieces.codec else []
-        loads.append(pieces.load)
-        stores.append(pieces.store)
-        probes += [pieces.probe] if pieces.probe else []
+    for k in active:
+        constants += pieces[k].constants
+        codec_lines += [pieces[k].codec] if pieces[k].codec else []
+        loads.append(pieces[k].load)
+        stores.append(pieces[k].store)
+        probes += [pieces[k].probe] if pieces[k].probe else []
 
     def indent(items, depth):
         return "\n".join(" " * depth + item for item in items)
@@ -110,7 +113,7 @@ def kernel_source(update: Callable, flags: tuple, formats: tuple, n_scalars: int
     return native.assemble(
         "step_kernel.cpp", width=str(len(cols)), block=str(block), constants="\n".join(constants),
         codecs=indent(codec_lines, 4), arrays=" ".join(f"alignas(64) float S{k}[BLOCK];" for k in active),
-        tops=" ".join(f"uint32_t top{k} = 0;" for k in quantized), loads=indent(loads, 8),
+        tops=" ".join(f"uint32_t top{k} = 0;" for k in tops), loads=indent(loads, 8),
         grad="G[i] * gm" if has_grad_mul else "G[i]",
         reads=indent([f"const float s{k}_ = S{k}[i];" for k in active], 12), body=indent(lines, 12),
         writes=indent(writes, 12), stores=indent(stores, 8), probes=indent(probes, 4))
@@ -163,11 +166,14 @@ def simd_width() -> int | None:
 
 @lru_cache(maxsize=None)
 def _map_pointers(formats: tuple) -> tuple:
-    """Per state: the map's values and the encoder's table (kept alive here)."""
+    """Per state, ``MAP_SLOTS`` addresses: its codec's tables (a map's values, an encoder's), kept alive here."""
     tensors = []
     for fmt in formats:
-        quantized = fmt is not None and fmt.quantized
-        tensors += [fmt.qmap.table(), quant.encoder(fmt.qmap).lut] if quantized else [None, None]
+        tables = () if fmt is None else codecs.of(fmt).tables(fmt)
+        if len(tables) > MAP_SLOTS:
+            raise ValueError(f"the CPU kernel takes {MAP_SLOTS} tables a state, {codecs.of(fmt).name} gives "
+                             f"{len(tables)}")
+        tensors += [*tables] + [None] * (MAP_SLOTS - len(tables))
     array = (ctypes.c_void_p * len(tensors))(*[None if t is None else t.data_ptr() for t in tensors])
     return tensors, array
 
@@ -203,14 +209,6 @@ def _threads() -> ThreadPoolExecutor:
     return _pool
 
 
-def _rows(p: Tensor, fmt: Format) -> tuple[int, int, int]:
-    """(rows, length, blocks) the kernel walks: the codec's rows and blocks, or 16-bit pieces."""
-    if fmt.quantized:
-        rows, length = quant.rows_of(p.shape)
-        return rows, length, rows * -(-length // fmt.block)
-    return 1, p.numel(), -(-p.numel() // PIECE)
-
-
 GRAD_COLUMN = 4  # where a row of the table holds its grad's address (``_column_names``)
 
 
@@ -226,15 +224,16 @@ class Table:
         """``pools``: buffers that states are views of (flat mode's), each watched once instead of each view."""
         self.formats = formats
         fmt = next(f for f in formats if f is not None)
+        walk = codecs.of(fmt).walk  # (rows, length, blocks): the codec's (``signature``: one codec per param)
         rows_table, first, self.state_tensors = [], 0, []
         for i, (p, g) in enumerate(zip(params, grads)):
-            rows, length, blocks = _rows(p, fmt)
+            rows, length, blocks = walk(p, fmt)
             row = [first, rows, length, p.data_ptr(), g.data_ptr()]
             for column, f in zip(states, formats):
                 if f is None:
                     continue
                 s = column[i]
-                tensors = [s.codes, s.absmax] if f.quantized else [s]
+                tensors = codecs.of(f).tensors(s)
                 self.state_tensors += tensors
                 row += map(Tensor.data_ptr, tensors)
             rows_table.append(row)

@@ -5,9 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from ..state import Format
+
+PIECE = 256  # elements per kernel work item of a format without blocks of its own (the flat tensor's pieces)
 
 
 @dataclass
@@ -20,6 +23,7 @@ class CppPieces:
     constants: list[str] = field(default_factory=list)
     codec: str = ""
     probe: str = ""
+    top: bool = False  # the kernel keeps ``top<k>``, the largest magnitude written, for ``store`` (a block's absmax)
 
 
 class Codec:
@@ -29,9 +33,45 @@ class Codec:
     aliases: tuple = ()
     bits: int
     quantized = False
+    key: int | str  # what ``state_bits`` holds for it; ``format_name``: its formats' ``codec`` (``register``)
+    format_name: str | None = None
+
+    def format(self, signed: bool = True) -> Format:
+        """A format of this codec's (of its width's own, or naming it where it is registered beside that)."""
+        return Format(self.bits, signed, self.format_name)
 
     def format_for(self, p: Tensor, state: str, min_quant_size: int, unsigned_states: frozenset) -> Format:
         raise NotImplementedError
+
+    def tensor_dtype(self, param_dtype: torch.dtype) -> torch.dtype | None:
+        """The dtype of a state kept as one tensor of the param's shape (flat mode keeps it in a view of one
+        buffer of that dtype), or None: it is kept otherwise (``parts``), and flat mode keeps it apart."""
+        return param_dtype
+
+    def adopt(self, value: Tensor, p: Tensor, fmt: Format) -> Any:
+        """A tensor of the param's shape and device (a torch.optim checkpoint's, a user's) as a state in ``fmt``:
+        converted to ``tensor_dtype`` (rounded to nearest). ValueError naming what does not fit."""
+        wanted = self.tensor_dtype(p.dtype)
+        return value if value.dtype == wanted else value.to(wanted)
+
+    # --- a state kept as several tensors (``tensor_dtype`` None) -------------------------------------------
+
+    def parts(self, shape: torch.Size, fmt: Format) -> list[tuple[torch.dtype, tuple]]:
+        """(dtype, shape) of each tensor a state of a param of ``shape`` is kept in, in ``tensors`` order."""
+        raise NotImplementedError(f"{self.name} keeps a state as one tensor")
+
+    def assemble(self, tensors: list[Tensor], fmt: Format, shape: torch.Size) -> Any:
+        """The state whose tensors (``parts``) are ``tensors``: views, not copies (flat mode's pooled states)."""
+        raise NotImplementedError(f"{self.name} keeps a state as one tensor")
+
+    def tensors(self, state: Any) -> list[Tensor]:
+        """The tensors a state is kept in: the kernels' table holds one address per tensor, in this order."""
+        return [state]
+
+    def kernel_format(self, state: Any, p: Tensor) -> Format | None:
+        """``state``'s format where a kernel can load and store it in place (local, contiguous, laid out as this
+        codec lays it out), else None: not this codec's, or not so laid out."""
+        return None
 
     def make(self, p: Tensor, fmt: Format, value: float) -> Any:
         raise NotImplementedError
@@ -43,17 +83,62 @@ class Codec:
         state.copy_(values)
 
     def tag(self, fmt: Format) -> str:
-        """What a checkpoint records of ``fmt`` (``Format.tag``: the map's name and block)."""
-        return fmt.tag
+        """What a checkpoint records of ``fmt`` (``Format.tag``: a quantized format's map and block)."""
+        return f"bits{fmt.bits}" if fmt.codec is None else fmt.codec
+
+    def formats(self) -> list[Format]:
+        """The formats whose tag a checkpoint may hold (``codecs.from_tag``): those of states kept as several
+        tensors, which ``state_dict()`` writes with their tag."""
+        return []
+
+    def qmap(self, fmt: Format) -> Any:
+        """A quantized format's map (``quant.QuantMap``)."""
+        raise ValueError(f"a {self.name} state has no quantization map")
+
+    def block(self, fmt: Format) -> int:
+        """A quantized format's elements per absmax block."""
+        raise ValueError(f"a {self.name} state has no quantization blocks")
 
     def entries(self, name: str, value: Any) -> dict:
         """What ``state_dict()`` holds for state ``name``: the state itself for tensors."""
         return {name: value}
 
+    # --- the kernels' walk over a param (CPU and Triton) ---------------------------------------------------
+
+    def kernel_block(self, fmt: Format) -> int:
+        """Elements per work block: a block of the codec's own, or a piece of the flat tensor."""
+        return PIECE
+
+    def walk(self, p: Tensor, fmt: Format) -> tuple[int, int, int]:
+        """(rows, row length, blocks) a kernel walks for ``p``: blocks of ``kernel_block`` never cross a row.
+        One row, the flat tensor, by default."""
+        return 1, p.numel(), -(-p.numel() // self.kernel_block(fmt))
+
+    def tables(self, fmt: Format, device: torch.device = torch.device("cpu")) -> tuple[Tensor, ...]:
+        """Tables a kernel reads for ``fmt`` (a map's values, an encoder's), on ``device``; () for none."""
+        return ()
+
+    def columns(self, k: int, fmt: Format) -> list[str]:
+        """The names of state ``k``'s columns in the CPU kernel's table (one per ``tensors``)."""
+        return [f"s{k}"]
+
     def cpp(self, k: int, fmt: Format, col: dict) -> CppPieces | None:
         """State ``k``'s pieces of the CPU kernel (``col``: the table's column of each address), or None: the
         kernel does not take this format."""
         return None
+
+    def triton_pointers(self, i: int, fmt: Format) -> list[tuple[str, str, bool]]:
+        """State ``i``'s pointers in the Triton kernel, one per ``tensors``: (name, element type, whether it
+        lies where the values do, so it takes the whole-rows branch's alignment hint)."""
+        raise NotImplementedError(f"no Triton kernel hook for {self.name}")
+
+    def triton_tables(self, i: int, fmt: Format) -> list[tuple[str, str]]:
+        """The Triton kernel's arguments for ``tables`` (name, type), in that order."""
+        return []
+
+    def triton_prelude(self, whole: bool) -> list[str]:
+        """Lines a tile's body needs once before any state of this codec loads (offsets of its own)."""
+        return []
 
     def triton_load(self, i: int, fmt: Format, whole: bool) -> list[str]:
         raise NotImplementedError(f"no Triton kernel hook for {self.name}")

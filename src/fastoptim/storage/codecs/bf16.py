@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..state import PLAIN, Format
+from ..state import PLAIN, Format, is_dtensor
 from .base import Codec, CppPieces
 
 
@@ -16,14 +16,26 @@ class BF16(Codec):
     name, bits = "bf16", 16
 
     def format_for(self, p: Tensor, state: str, min_quant_size: int, unsigned_states: frozenset) -> Format:
-        return PLAIN if p.is_complex() or not p.is_floating_point() else Format(16)
+        return PLAIN if p.is_complex() or not p.is_floating_point() else self.format()
 
     def make(self, p: Tensor, fmt: Format, value: float) -> Tensor:
         return torch.full_like(p, value, dtype=torch.bfloat16, memory_format=torch.contiguous_format)
 
+    def tensor_dtype(self, param_dtype: torch.dtype) -> torch.dtype:
+        return torch.bfloat16
+
+    def kernel_format(self, state, p: Tensor) -> Format | None:
+        if isinstance(state, Tensor) and not is_dtensor(state) and state.dtype == torch.bfloat16 \
+                and state.is_contiguous() and state.shape == p.shape and state.device == p.device:
+            return self.format()
+        return None
+
     def cpp(self, k: int, fmt: Format, col: dict) -> CppPieces:
         ptr = f"reinterpret_cast<uint16_t*>(row[{col[f's{k}']}]) + at"
         return CppPieces(load=f"bf16_load({ptr}, n, S{k});", store=f"bf16_store(S{k}, n, {ptr});")
+
+    def triton_pointers(self, i: int, fmt: Format) -> list[tuple[str, str, bool]]:
+        return [(f"s{i}_ptr", "tl.int16", True)]
 
     def triton_load(self, i: int, fmt: Format, whole: bool) -> list[str]:
         # bf16 bits widened exactly: the top half of the fp32 pattern

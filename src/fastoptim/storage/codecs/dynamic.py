@@ -31,7 +31,7 @@ class Dynamic(Codec):
     def format_for(self, p: Tensor, state: str, min_quant_size: int, unsigned_states: frozenset) -> Format:
         if p.is_complex() or not p.is_floating_point() or p.dim() < 2 or p.numel() < min_quant_size:
             return PLAIN
-        return Format(self.bits, signed=state not in unsigned_states)
+        return self.format(signed=state not in unsigned_states)
 
     def make(self, p: Tensor, fmt: Format, value: float) -> QuantizedState:
         if is_dtensor(p):
@@ -39,6 +39,48 @@ class Dynamic(Codec):
             return QuantizedState.of(torch.full(local.shape, value, dtype=torch.float32, device=local.device),
                                      fmt).sharded_like(p)
         return QuantizedState.of(torch.full(p.shape, value, dtype=torch.float32, device=p.device), fmt)
+
+    def qmap(self, fmt: Format) -> quant.QuantMap:
+        return quant.map_for(fmt.bits, fmt.signed)
+
+    def block(self, fmt: Format) -> int:
+        return quant.BLOCK[fmt.bits]
+
+    def tag(self, fmt: Format) -> str:
+        return f"{self.qmap(fmt).name}/{self.block(fmt)}"
+
+    def formats(self) -> list[Format]:
+        return [self.format(signed=True), self.format(signed=False)]
+
+    def tensor_dtype(self, param_dtype: torch.dtype) -> None:
+        return None  # codes and absmax (``parts``)
+
+    def adopt(self, value: Tensor, p: Tensor, fmt: Format) -> QuantizedState:
+        if not value.is_floating_point():
+            raise ValueError(f"has dtype {value.dtype}; a state must be floating point")
+        return QuantizedState.of(value, fmt)
+
+    def parts(self, shape: torch.Size, fmt: Format) -> list[tuple[torch.dtype, tuple]]:
+        return [(torch.uint8, quant.codes_shape(shape, fmt.bits)),
+                (torch.float32, quant.absmax_shape(shape, fmt.block))]
+
+    def assemble(self, tensors: list[Tensor], fmt: Format, shape: torch.Size) -> QuantizedState:
+        codes, absmax = tensors
+        return QuantizedState(codes, absmax, fmt, torch.Size(shape))
+
+    def tensors(self, state: QuantizedState) -> list[Tensor]:
+        return [state.codes, state.absmax]
+
+    def kernel_format(self, state, p: Tensor) -> Format | None:
+        if not isinstance(state, QuantizedState) or state.fmt != self.format(state.fmt.signed):  # not ours
+            return None
+        if is_dtensor(state.codes) or state.shape != p.shape or state.device != p.device:
+            return None
+        ok = (state.codes.dtype == torch.uint8 and state.codes.is_contiguous() and state.absmax.is_contiguous()
+              and state.absmax.dtype == torch.float32
+              and tuple(state.codes.shape) == quant.codes_shape(p.shape, state.fmt.bits)
+              and tuple(state.absmax.shape) == quant.absmax_shape(p.shape, state.fmt.block))
+        return state.fmt if ok else None
 
     def load(self, state: QuantizedState, p: Tensor) -> Tensor:
         return state.dequantize(p.dtype)
@@ -53,6 +95,19 @@ class Dynamic(Codec):
 
     # --- kernel hooks ------------------------------------------------------------------------------------------
 
+    def kernel_block(self, fmt: Format) -> int:
+        return fmt.block
+
+    def walk(self, p: Tensor, fmt: Format) -> tuple[int, int, int]:
+        rows, length = quant.rows_of(p.shape)
+        return rows, length, rows * -(-length // fmt.block)
+
+    def tables(self, fmt: Format, device: torch.device = torch.device("cpu")) -> tuple[Tensor, ...]:
+        return fmt.qmap.table(device), quant.encoder(fmt.qmap, device).lut  # the map's values, the encoder's
+
+    def columns(self, k: int, fmt: Format) -> list[str]:
+        return [f"s{k}_codes", f"s{k}_absmax"]
+
     def cpp(self, k: int, fmt: Format, col: dict) -> CppPieces:
         tables, constants = _cpp_tables(k, fmt)
         codec = f"make_codec(maps[{2 * k}], maps[{2 * k + 1}], {tables}, {fmt.bits})"
@@ -65,7 +120,25 @@ class Dynamic(Codec):
             load=f"decode{fmt.bits}({codes}, n, codec{k}, {absmax}, S{k});",
             store=(f"{{ const float amax = from_bits(top{k}); "
                    f"{encode}(S{k}, n, amax == 0.0f ? 1.0f : amax, codec{k}, {codes}); {absmax} = amax; }}"),
-            probe=f"if (k == {k}) fo_probe({codec}, {encode}, decode{fmt.bits}, x, n, codes, absmax, out);")
+            probe=f"if (k == {k}) fo_probe({codec}, {encode}, decode{fmt.bits}, x, n, codes, absmax, out);",
+            top=True)
+
+    def triton_pointers(self, i: int, fmt: Format) -> list[tuple[str, str, bool]]:
+        return [(f"s{i}_codes", "tl.uint8", True), (f"s{i}_absmax", "tl.float32", False)]
+
+    def triton_tables(self, i: int, fmt: Format) -> list[tuple[str, str]]:
+        return [(f"s{i}_map", "*fp32"), (f"s{i}_lut", "*i32")]
+
+    def triton_prelude(self, whole: bool) -> list[str]:
+        if self.bits == 8:
+            return []
+        kb = "tl.arange(0, QB // 2)"  # 4 bits: two codes a byte, so byte offsets of their own
+        if whole:
+            return ["byte_offs = tl.multiple_of(b0 * (QB // 2), QB // 2) + tile[:, None] * (QB // 2)"
+                    f" + {kb}[None, :]",
+                    "byte_mask = block_mask[:, None]"]
+        return [f"byte_offs = (r * ((length + 1) // 2) + j * (QB // 2))[:, None] + {kb}[None, :]",
+                f"byte_mask = block_mask[:, None] & ({kb}[None, :] < ((n_in + 1) // 2)[:, None])"]
 
     def triton_load(self, i: int, fmt: Format, whole: bool) -> list[str]:
         lines = [f"s{i}_amax = tl.load(s{i}_absmax + blocks, mask=block_mask, other=0.0)"]

@@ -20,5 +20,12 @@ class Plain(Codec):
             value = complex(value, value)
         return torch.full_like(p, value, memory_format=torch.preserve_format)
 
+    def adopt(self, value: Tensor, p: Tensor, fmt: Format) -> Tensor:
+        if value.dtype == p.dtype:
+            return value
+        if value.dtype == torch.bfloat16 and p.is_floating_point():  # kept at 16 bits before
+            return value.to(p.dtype)
+        raise ValueError(f"has dtype {value.dtype}; the param has dtype {p.dtype}")
+
 
 PLAIN_CODEC = Plain()
