@@ -1,14 +1,22 @@
 """torch.distributed with fastoptim, two processes on this CPU (gloo): FSDP2 and ZeRO-1 train exactly like one
 process, `fastoptim train --ddp` and `--fsdp` run under torchrun and resume bit-identically, and the README's
-distributed command runs to the end."""
+distributed command runs to the end.
+
+Starting a torchrun launch (torchrun and each rank import torch) costs far more than these tiny runs, so the
+tests share launches: one of dist_worker.py for every parity check, and three of train_runs.py for the
+`fastoptim train` runs (the straight runs and first halves, then the second halves in new processes, then the
+one-process resume). Each shared launch runs once per session, also when pytest-xdist spreads the tests over
+several workers."""
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
 import pytest
 import torch
+from filelock import FileLock  # a dependency of torch
 
 HERE = os.path.dirname(__file__)
 
@@ -19,12 +27,38 @@ def torchrun(*args, timeout=240, nproc=2):
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=HERE)
 
 
+def once(tmp_path_factory, name, make):
+    """``make(folder)`` once per test session: under pytest-xdist the first worker that asks runs it (under a
+    file lock, in the session's shared temporary folder) and the others wait and reuse its folder, or its
+    failure."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the session's folder, above each worker's own
+    folder, done = root / name, root / f"{name}.done.json"
+    with FileLock(str(root / f"{name}.lock")):
+        if not done.exists():
+            folder.mkdir()
+            try:
+                make(folder)
+                failure = ""
+            except Exception as e:  # noqa: BLE001 - every test that shares it reports it
+                failure = f"{type(e).__name__}: {e}"
+            done.write_text(json.dumps(failure))
+    failure = json.loads(done.read_text())
+    if failure:
+        pytest.fail(failure, pytrace=False)
+    return folder
+
+
+def launch(script, *args, nproc=2):
+    proc = torchrun(os.path.join(HERE, script), *map(str, args), nproc=nproc)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
 @pytest.fixture(scope="module")
 def dist_results(tmp_path_factory):
-    out = tmp_path_factory.mktemp("dist") / "out.json"
-    proc = torchrun(os.path.join(HERE, "dist_worker.py"), str(out))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(out.read_text())
+    folder = once(tmp_path_factory, "dist", lambda folder: launch("dist_worker.py", folder / "out.json"))
+    return json.loads((folder / "out.json").read_text())
 
 
 @pytest.mark.parametrize("impl", ["loop", "foreach", "fused", "compiled"])
@@ -136,20 +170,74 @@ def assert_same_tensors(a, b, where=""):
         assert a == b, where
 
 
-def test_train_ddp_under_torchrun_resumes_bit_identically(tmp_path):
-    common = ["-m", "fastoptim", "train", "--ddp", "--n-layer", "1", "--n-embd", "32", "--n-head", "2",
-              "--n-kv-head", "1", "--block-size", "32", "--batch-size", "4", "--steps", "8", "--warmup", "2",
-              "--eval-every", "4", "--eval-batches", "1", "--save-every", "4", "--sample-tokens", "0",
-              "--no-progress"]
-    straight = torchrun(*common, "--out-dir", str(tmp_path / "a"))
-    assert straight.returncode == 0, straight.stderr[-3000:]
-    first = torchrun(*common, "--out-dir", str(tmp_path / "b"), "--stop-after", "4")
-    assert first.returncode == 0, first.stderr[-3000:]
-    ckpt = torch.load(tmp_path / "b" / "ckpt.pt", weights_only=False)
+# the `fastoptim train` arguments of each test below (the runs themselves are in train_runs_in_three_launches)
+DDP = ["train", "--ddp", "--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--n-kv-head", "1", "--block-size",
+       "32", "--batch-size", "4", "--steps", "8", "--warmup", "2", "--eval-every", "4", "--eval-batches", "1",
+       "--save-every", "4", "--sample-tokens", "0", "--no-progress"]
+FSDP = ["train", "--fsdp", "--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--n-kv-head", "1", "--block-size",
+        "32", "--batch-size", "4", "--steps", "8", "--warmup", "2", "--eval-every", "4", "--eval-batches", "1",
+        "--save-every", "4", "--sample-tokens", "0", "--no-progress"]
+MUON = ["train", "--fsdp", "--optimizer", "muon", "--lr", "0.02", "--n-layer", "1", "--n-embd", "32", "--n-head", "2",
+        "--n-kv-head", "1", "--block-size", "32", "--batch-size", "4", "--steps", "6", "--warmup", "2",
+        "--eval-every", "3", "--eval-batches", "1", "--save-every", "3", "--sample-tokens", "0", "--no-progress"]
+# n_embd 64: the 64 x 64 matrices reach min_quant_size (4096), so their state is 8-bit
+LOW_BIT = ["train", "--fsdp", "--state-bits", "8", "--n-layer", "1", "--n-embd", "64", "--n-head", "2",
+           "--n-kv-head", "1", "--block-size", "32", "--batch-size", "4", "--steps", "6", "--warmup", "2",
+           "--eval-every", "3", "--eval-batches", "1", "--save-every", "3", "--sample-tokens", "0", "--no-progress"]
+
+
+def stale_dcp_folders(out):
+    """A save killed while writing, and one killed before its ckpt.pt."""
+    return [out / "dcp-00000006-0badc0de.tmp", out / "dcp-00000006-0badc0de", out / "dcp.tmp"]
+
+
+def train_runs_in_three_launches(root):
+    """Every run of the tests below: the straight runs and the first halves under one torchrun launch of two
+    ranks, the second halves under a new one (they resume from the checkpoints on disk, in new processes),
+    and the resume of the two ranks' 8-bit checkpoint on one process under a third."""
+    def out(name, *more):
+        return ["--out-dir", str(root / name), *more]
+
+    def json_to(name):
+        return ["--json", str(root / f"{name}.json")]
+
+    def runs(plan, nproc):
+        (root / "plan.json").write_text(json.dumps(plan))
+        launch("train_runs.py", root / "plan.json", nproc=nproc)
+
+    runs([DDP + out("ddp-a"), DDP + out("ddp-b", "--stop-after", "4"),
+          FSDP + out("fsdp-a") + json_to("fsdp-a"), FSDP + out("fsdp-b", "--stop-after", "4"),
+          MUON + out("muon-a") + json_to("muon-a"), MUON + out("muon-b", "--stop-after", "3"),
+          LOW_BIT + out("low-straight") + json_to("low-straight"),
+          LOW_BIT + out("low-two", "--stop-after", "3") + json_to("low-two"),
+          LOW_BIT + out("low-one", "--stop-after", "3") + json_to("low-one")], nproc=2)
+    # what the tests check between the halves: the first half's checkpoint, and the folder it left
+    shutil.copy(root / "ddp-b" / "ckpt.pt", root / "ddp-b-half.pt")
+    shutil.copy(root / "fsdp-b" / "ckpt.pt", root / "fsdp-b-half.pt")
+    (root / "fsdp-b-half.json").write_text(json.dumps(sorted(os.listdir(root / "fsdp-b"))))
+    for folder in stale_dcp_folders(root / "fsdp-b"):
+        folder.mkdir()
+        (folder / "__0_0.distcp").write_bytes(b"\0" * 100)
+    runs([DDP + out("ddp-b", "--resume"), FSDP + out("fsdp-b", "--resume") + json_to("fsdp-b"),
+          MUON + out("muon-b", "--resume") + json_to("muon-b"),
+          LOW_BIT + out("low-two", "--resume") + json_to("low-two")], nproc=2)
+    runs([LOW_BIT + out("low-one", "--resume") + json_to("low-one")], nproc=1)
+
+
+@pytest.fixture(scope="module")
+def train_runs(tmp_path_factory):
+    return once(tmp_path_factory, "train", train_runs_in_three_launches)
+
+
+def losses(train_runs, name):
+    return [e["loss"] for e in json.loads((train_runs / f"{name}.json").read_text())["log"]]
+
+
+def test_train_ddp_under_torchrun_resumes_bit_identically(train_runs):
+    """8 steps straight, and 4 steps then 4 more resumed in new processes: the same checkpoint bit for bit."""
+    ckpt = torch.load(train_runs / "ddp-b-half.pt", weights_only=False)
     assert ckpt["step"] == 4 and len(ckpt["data_rng"]) == 2  # each rank's data order is saved
-    second = torchrun(*common, "--out-dir", str(tmp_path / "b"), "--resume")
-    assert second.returncode == 0, second.stderr[-3000:]
-    a, b = (torch.load(tmp_path / r / "ckpt.pt", weights_only=False) for r in "ab")
+    a, b = (torch.load(train_runs / f"ddp-{r}" / "ckpt.pt", weights_only=False) for r in "ab")
     assert a["step"] == b["step"] == 8 and len(b["log"]) == 8
     assert without_timings(a["log"]) == without_timings(b["log"])  # losses, val losses and lrs, exactly
     for key in ("model", "scheduler", "scaler", "data_rng", "torch_rng"):
@@ -158,48 +246,24 @@ def test_train_ddp_under_torchrun_resumes_bit_identically(tmp_path):
     assert_same_tensors(a["optimizer"]["param_groups"], b["optimizer"]["param_groups"], "optimizer param_groups")
 
 
-def test_train_fsdp2_checkpoints_through_dcp_and_resumes_exactly(tmp_path):
-    common = ["-m", "fastoptim", "train", "--fsdp", "--n-layer", "1", "--n-embd", "32", "--n-head", "2",
-              "--n-kv-head", "1", "--block-size", "32", "--batch-size", "4", "--steps", "8", "--warmup", "2",
-              "--eval-every", "4", "--eval-batches", "1", "--save-every", "4", "--sample-tokens", "0",
-              "--no-progress"]
-    straight = torchrun(*common, "--out-dir", str(tmp_path / "a"), "--json", str(tmp_path / "a.json"))
-    assert straight.returncode == 0, straight.stderr[-3000:]
-    half = torchrun(*common, "--out-dir", str(tmp_path / "b"), "--stop-after", "4")
-    assert half.returncode == 0, half.stderr[-3000:]
-    ckpt = torch.load(tmp_path / "b" / "ckpt.pt", weights_only=False)
+def test_train_fsdp2_checkpoints_through_dcp_and_resumes_exactly(train_runs):
+    half = torch.load(train_runs / "fsdp-b-half.pt", weights_only=False)
     # the DCP folder that ckpt.pt names, and no temporary folders
-    assert sorted(os.listdir(tmp_path / "b")) == sorted(["ckpt.pt", ckpt["dcp"]])
-    stale = [tmp_path / "b" / "dcp-00000006-0badc0de.tmp", tmp_path / "b" / "dcp-00000006-0badc0de",
-             tmp_path / "b" / "dcp.tmp"]  # a save killed while writing, one killed before its ckpt.pt
-    for folder in stale:
-        folder.mkdir()
-        (folder / "__0_0.distcp").write_bytes(b"\0" * 100)
-    rest = torchrun(*common, "--out-dir", str(tmp_path / "b"), "--resume", "--json", str(tmp_path / "b.json"))
-    assert rest.returncode == 0, rest.stderr[-3000:]
-    assert not any(folder.exists() for folder in stale)
-    ckpt = torch.load(tmp_path / "b" / "ckpt.pt", weights_only=False)
-    assert sorted(os.listdir(tmp_path / "b")) == sorted(["ckpt.pt", ckpt["dcp"]])
-    losses = [[e["loss"] for e in json.loads((tmp_path / f"{r}.json").read_text())["log"]] for r in "ab"]
-    assert losses[0] == losses[1] and len(losses[0]) == 8
+    assert json.loads((train_runs / "fsdp-b-half.json").read_text()) == sorted(["ckpt.pt", half["dcp"]])
+    out = train_runs / "fsdp-b"  # stale folders were planted before the resume, which removed them
+    assert not any(folder.exists() for folder in stale_dcp_folders(out))
+    ckpt = torch.load(out / "ckpt.pt", weights_only=False)
+    assert sorted(os.listdir(out)) == sorted(["ckpt.pt", ckpt["dcp"]])
+    straight, resumed = losses(train_runs, "fsdp-a"), losses(train_runs, "fsdp-b")
+    assert straight == resumed and len(straight) == 8
 
 
-def test_train_fsdp2_with_muon_resumes_exactly(tmp_path):
+def test_train_fsdp2_with_muon_resumes_exactly(train_runs):
     """`fastoptim train --fsdp --optimizer muon`: the Muon recipe on the GPT's sharded matrices, its momentum saved
     through DCP; stopped and resumed, the same losses as straight through."""
-    common = ["-m", "fastoptim", "train", "--fsdp", "--optimizer", "muon", "--lr", "0.02", "--n-layer", "1",
-              "--n-embd", "32", "--n-head", "2", "--n-kv-head", "1", "--block-size", "32", "--batch-size", "4",
-              "--steps", "6", "--warmup", "2", "--eval-every", "3", "--eval-batches", "1", "--save-every", "3",
-              "--sample-tokens", "0", "--no-progress"]
-    straight = torchrun(*common, "--out-dir", str(tmp_path / "a"), "--json", str(tmp_path / "a.json"))
-    assert straight.returncode == 0, straight.stderr[-3000:]
-    half = torchrun(*common, "--out-dir", str(tmp_path / "b"), "--stop-after", "3")
-    assert half.returncode == 0, half.stderr[-3000:]
-    rest = torchrun(*common, "--out-dir", str(tmp_path / "b"), "--resume", "--json", str(tmp_path / "b.json"))
-    assert rest.returncode == 0, rest.stderr[-3000:]
-    losses = [[e["loss"] for e in json.loads((tmp_path / f"{r}.json").read_text())["log"]] for r in "ab"]
-    assert losses[0] == losses[1] and len(losses[0]) == 6
-    assert losses[0][-1] < losses[0][0]
+    straight, resumed = losses(train_runs, "muon-a"), losses(train_runs, "muon-b")
+    assert straight == resumed and len(straight) == 6
+    assert straight[-1] < straight[0]
 
 
 def test_readme_fsdp_command_runs_to_the_end_and_resumes_on_one_process(tmp_path):
@@ -223,24 +287,12 @@ def test_readme_fsdp_command_runs_to_the_end_and_resumes_on_one_process(tmp_path
     assert all(e["loss"] == e["loss"] for e in resumed["log"])
 
 
-def test_fsdp2_low_bit_state_saves_through_dcp_and_resumes_resharded_on_one_process(tmp_path):
+def test_fsdp2_low_bit_state_saves_through_dcp_and_resumes_resharded_on_one_process(train_runs):
     """8-bit state under FSDP2: codes and absmax go through torch.distributed.checkpoint as DTensors sharded on
     dim 0. Two ranks resume from their shards bit-identically; one process resumes from the two ranks' shards
     (DCP reshards) and goes on from the same point."""
-    common = ["-m", "fastoptim", "train", "--fsdp", "--state-bits", "8", "--n-layer", "1", "--n-embd", "64",
-              "--n-head", "2", "--n-kv-head", "1", "--block-size", "32", "--batch-size", "4", "--steps", "6",
-              "--warmup", "2", "--eval-every", "3", "--eval-batches", "1", "--save-every", "3", "--sample-tokens",
-              "0", "--no-progress"]
-    logs = {}
-    for name, first, then in (("straight", [], None), ("two", ["--stop-after", "3"], 2),
-                              ("one", ["--stop-after", "3"], 1)):
-        out = ["--out-dir", str(tmp_path / name)]
-        proc = torchrun(*common, *out, *first, "--json", str(tmp_path / f"{name}.json"))
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        if then is not None:
-            proc = torchrun(*common, *out, "--resume", "--json", str(tmp_path / f"{name}.json"), nproc=then)
-            assert proc.returncode == 0, proc.stderr[-3000:]
-        logs[name] = without_timings(json.loads((tmp_path / f"{name}.json").read_text())["log"])
+    logs = {name: without_timings(json.loads((train_runs / f"low-{name}.json").read_text())["log"])
+            for name in ("straight", "two", "one")}
     assert logs["two"] == logs["straight"]
     assert logs["one"][:3] == logs["straight"][:3]
     # after the reshard one process sums the grads in another order than two ranks' reduce-scatter: the
