@@ -1,5 +1,6 @@
-"""Run under torchrun by test_distributed.py: fastoptim under FSDP2 and ZeRO-1 on CPU (gloo) must train
-exactly like a single process given the same data on every rank. Writes the max differences as JSON."""
+"""Run under torchrun (train_runs.py runs it first, for test_distributed.py): fastoptim under FSDP2 and ZeRO-1
+on CPU (gloo) must train exactly like a single process given the same data on every rank. Writes the max
+differences as JSON."""
 
 import json
 import sys

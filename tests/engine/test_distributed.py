@@ -3,10 +3,10 @@ process, `fastoptim train --ddp` and `--fsdp` run under torchrun and resume bit-
 distributed command runs to the end.
 
 Starting a torchrun launch (torchrun and each rank import torch) costs far more than these tiny runs, so the
-tests share launches: one of dist_worker.py for every parity check, and three of train_runs.py for the
-`fastoptim train` runs (the straight runs and first halves, then the second halves in new processes, then the
-one-process resume). Each shared launch runs once per session, also when pytest-xdist spreads the tests over
-several workers."""
+tests share launches: three of train_runs.py run dist_worker.py's parity checks and the `fastoptim train` runs
+(the checks, the straight runs and first halves; then the second halves, in new processes; then the one-process
+resume). They run once per session, also when pytest-xdist spreads the tests over several workers. The README's
+command is launched as the README gives it."""
 
 import json
 import os
@@ -51,14 +51,20 @@ def once(tmp_path_factory, name, make):
 
 
 def launch(script, *args, nproc=2):
-    proc = torchrun(os.path.join(HERE, script), *map(str, args), nproc=nproc)
+    proc = torchrun(os.path.join(HERE, script), *map(str, args), nproc=nproc, timeout=400)
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
 @pytest.fixture(scope="module")
-def dist_results(tmp_path_factory):
-    folder = once(tmp_path_factory, "dist", lambda folder: launch("dist_worker.py", folder / "out.json"))
-    return json.loads((folder / "out.json").read_text())
+def dist_runs(tmp_path_factory):
+    """The folder of the shared launches (train_runs_in_three_launches, below)."""
+    return once(tmp_path_factory, "dist", train_runs_in_three_launches)
+
+
+@pytest.fixture(scope="module")
+def dist_results(dist_runs):
+    """dist_worker.py's differences from one process, by scenario."""
+    return json.loads((dist_runs / "parity.json").read_text())
 
 
 @pytest.mark.parametrize("impl", ["loop", "foreach", "fused", "compiled"])
@@ -192,25 +198,25 @@ def stale_dcp_folders(out):
 
 
 def train_runs_in_three_launches(root):
-    """Every run of the tests below: the straight runs and the first halves under one torchrun launch of two
-    ranks, the second halves under a new one (they resume from the checkpoints on disk, in new processes),
-    and the resume of the two ranks' 8-bit checkpoint on one process under a third."""
+    """dist_worker.py's checks, the straight runs and the first halves of the tests below under one torchrun
+    launch of two ranks; the second halves under a new one (they resume from the checkpoints on disk, in new
+    processes); the resume of the two ranks' 8-bit checkpoint on one process under a third."""
     def out(name, *more):
         return ["--out-dir", str(root / name), *more]
 
     def json_to(name):
         return ["--json", str(root / f"{name}.json")]
 
-    def runs(plan, nproc):
+    def runs(plan, nproc, *parity):
         (root / "plan.json").write_text(json.dumps(plan))
-        launch("train_runs.py", root / "plan.json", nproc=nproc)
+        launch("train_runs.py", root / "plan.json", *parity, nproc=nproc)
 
     runs([DDP + out("ddp-a"), DDP + out("ddp-b", "--stop-after", "4"),
           FSDP + out("fsdp-a") + json_to("fsdp-a"), FSDP + out("fsdp-b", "--stop-after", "4"),
           MUON + out("muon-a") + json_to("muon-a"), MUON + out("muon-b", "--stop-after", "3"),
           LOW_BIT + out("low-straight") + json_to("low-straight"),
           LOW_BIT + out("low-two", "--stop-after", "3") + json_to("low-two"),
-          LOW_BIT + out("low-one", "--stop-after", "3") + json_to("low-one")], nproc=2)
+          LOW_BIT + out("low-one", "--stop-after", "3") + json_to("low-one")], 2, root / "parity.json")
     # what the tests check between the halves: the first half's checkpoint, and the folder it left
     shutil.copy(root / "ddp-b" / "ckpt.pt", root / "ddp-b-half.pt")
     shutil.copy(root / "fsdp-b" / "ckpt.pt", root / "fsdp-b-half.pt")
@@ -220,13 +226,13 @@ def train_runs_in_three_launches(root):
         (folder / "__0_0.distcp").write_bytes(b"\0" * 100)
     runs([DDP + out("ddp-b", "--resume"), FSDP + out("fsdp-b", "--resume") + json_to("fsdp-b"),
           MUON + out("muon-b", "--resume") + json_to("muon-b"),
-          LOW_BIT + out("low-two", "--resume") + json_to("low-two")], nproc=2)
-    runs([LOW_BIT + out("low-one", "--resume") + json_to("low-one")], nproc=1)
+          LOW_BIT + out("low-two", "--resume") + json_to("low-two")], 2)
+    runs([LOW_BIT + out("low-one", "--resume") + json_to("low-one")], 1)
 
 
 @pytest.fixture(scope="module")
-def train_runs(tmp_path_factory):
-    return once(tmp_path_factory, "train", train_runs_in_three_launches)
+def train_runs(dist_runs):
+    return dist_runs
 
 
 def losses(train_runs, name):
