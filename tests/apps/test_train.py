@@ -124,10 +124,10 @@ def test_bad_settings_get_a_clear_message(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
-def test_unknown_flag_is_refused():
-    proc = subprocess.run([sys.executable, "-m", "fastoptim", "train", "--n-layers", "3"], capture_output=True,
-                          text=True)
-    assert proc.returncode == 2 and "unrecognized arguments" in proc.stderr
+def test_unknown_flag_is_refused(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli(["train", "--n-layers", "3"])
+    assert exit_.value.code == 2 and "unrecognized arguments" in capsys.readouterr().err
 
 
 def test_model_options():

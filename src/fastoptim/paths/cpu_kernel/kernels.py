@@ -125,7 +125,8 @@ def kernel_source(update: Callable, flags: tuple, formats: tuple, n_scalars: int
 def _library(source: str) -> ctypes.CDLL:
     """The built kernel (``native.load``); no compiler or a failed build raises ``KernelUnavailable``."""
     cxx = native.required_compiler()
-    lib = native.load("kernel", source, CXXFLAGS, key=(sys.platform, native.target(cxx)), cxx=cxx)
+    lib = native.load("kernel", source, CXXFLAGS, key=(sys.platform, native.target(cxx)), cxx=cxx,
+                      precompiled="system.hpp")
     lib.fo_step.restype = None
     lib.fo_step.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
                             ctypes.c_void_p, ctypes.c_void_p]
