@@ -83,7 +83,7 @@ def test_kernels_read_the_system_headers_precompiled(tmp_path, monkeypatch):
         return
     assert extra[0] == "-include" and os.path.exists(extra[1] + ".gch")
     source = tmp_path / "kernel.cpp"
-    source.write_text(kernels.kernel_source(sgd_update, (False, False, True, False), (Format(16),), 5, False))
+    source.write_text(kernels.kernel_source(sgd_update, (False, False, True, False), (Format(16),), 5))
     shown = subprocess.run([cxx, *extra, *kernels.CXXFLAGS, "-H", str(source), "-o", str(tmp_path / "k.so")],
                            capture_output=True, text=True)
     assert shown.returncode == 0, shown.stderr[-2000:]
