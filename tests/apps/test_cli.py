@@ -79,9 +79,18 @@ def test_bench_a_users_module_with_installed_peers(tmp_path):
     (["bench", "--params", "lots"], "not a parameter count"),
     (["bench", "--optimizer", "adamq"], "invalid choice"),
 ])
-def test_bad_flags_get_a_clear_message(argv, message):
-    proc = subprocess.run([sys.executable, "-m", "fastoptim", *argv], capture_output=True, text=True)
-    assert proc.returncode == 2 and message in proc.stderr
+def test_bad_flags_get_a_clear_message(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_the_command_line_entry_point_exits_2_with_the_message():
+    """``python -m fastoptim`` as users run it: argparse's exit status and message reach the shell (the cases
+    above call ``main`` in this process)."""
+    proc = subprocess.run([sys.executable, "-m", "fastoptim", "bench", "--optimizer", "adamq"], capture_output=True,
+                          text=True)
+    assert proc.returncode == 2 and "invalid choice" in proc.stderr
 
 
 def test_bad_numbers_are_refused(capsys):

@@ -63,3 +63,29 @@ def test_two_processes_that_need_one_library_build_it_once(tmp_path):
     assert answers == [["42", "0"], ["42", "1"]]  # both loaded it; one of them built it
     assert log.read_text().count("run") == 1
     assert len(list((tmp_path / "cache").glob("answer_*.so"))) == 1
+
+
+@needs_compiler
+def test_kernels_read_the_system_headers_precompiled(tmp_path, monkeypatch):
+    """GCC builds a kernel from system.hpp's precompiled form, made once in the cache (parsing <immintrin.h> was
+    most of a small kernel's build); clang parses the headers as before."""
+    from fastoptim.paths.cpu_kernel import kernels
+    from fastoptim.rules.sgd import sgd_update
+    from fastoptim.storage import Format
+
+    monkeypatch.setenv("FASTOPTIM_CACHE", str(tmp_path))
+    native.precompiled_flags.cache_clear()
+    cxx = native.required_compiler()
+    key = (sys.platform, native.target(cxx))
+    extra = native.precompiled_flags(cxx, "system.hpp", kernels.CXXFLAGS, key)
+    if "__clang__" in native.target(cxx):
+        assert extra == ()
+        return
+    assert extra[0] == "-include" and os.path.exists(extra[1] + ".gch")
+    source = tmp_path / "kernel.cpp"
+    source.write_text(kernels.kernel_source(sgd_update, (False, False, True, False), (Format(16),), 5))
+    shown = subprocess.run([cxx, *extra, *kernels.CXXFLAGS, "-H", str(source), "-o", str(tmp_path / "k.so")],
+                           capture_output=True, text=True)
+    assert shown.returncode == 0, shown.stderr[-2000:]
+    assert f"! {extra[1]}.gch" in shown.stderr  # GCC's -H marks a precompiled header it used with "!"
+    assert "immintrin.h" not in shown.stderr  # not parsed again

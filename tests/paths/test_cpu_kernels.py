@@ -398,7 +398,7 @@ def _codec_kernel(bits):
     from fastoptim.rules.adam import adam_update
 
     formats = (storage.Format(bits, True), storage.Format(bits, False), None)
-    return cpu_kernels.kernel(adam_update, (False, True, True, False), formats, 8, False), formats
+    return cpu_kernels.kernel(adam_update, (False, True, True, False), formats, 8), formats
 
 
 def _hard_values(qmap, g):
@@ -483,7 +483,7 @@ def test_each_build_steps_byte_for_byte_like_the_oracle(build, bits):
         from fastoptim.rules.adam import adam_update
 
         assert cpu_kernels.kernel(adam_update, (False, True, True, False), (storage.Format(8, True),
-                                  storage.Format(8, False), None), 8, False).fo_simd_width() == build
+                                  storage.Format(8, False), None), 8).fo_simd_width() == build
 
 
 def test_the_cell_tables_cover_the_8_bit_maps_and_hold_one_boundary_a_cell():
@@ -533,7 +533,7 @@ def test_the_avx512_build_compiles_on_any_machine_with_its_byte_permutes(bits, t
 
     formats = (storage.Format(bits, True), storage.Format(bits, False), None)
     source = tmp_path / "kernel.cpp"
-    source.write_text(cpu_kernels.kernel_source(adam_update, (False, True, True, False), formats, 8, False))
+    source.write_text(cpu_kernels.kernel_source(adam_update, (False, True, True, False), formats, 8))
     flags = [f for f in cpu_kernels.CXXFLAGS if f not in ("-shared", "-fPIC")]
     done = subprocess.run([cpu_kernels.compiler(), *flags, *AVX512_FLAGS, "-S", str(source), "-o", "-"],
                           capture_output=True, text=True)

@@ -8,7 +8,9 @@ its ``${name}`` slots with generated pieces (``string.Template``).
 ``load`` compiles a source with the system C++ compiler (``$CXX``, else ``c++``/``g++``/``clang++``) into the
 cache folder (``$FASTOPTIM_CACHE``, else ``~/.cache/fastoptim``) under a name that hashes the source, the
 compiler, its flags and whatever else the caller names (the CPU ``-march=native`` means, torch's version), and
-loads it. A build is written atomically (a temporary file, then a rename), under a file lock: of two processes
+loads it. A kernel may name a shipped header to precompile (``precompiled=``): GCC then parses it once per
+machine and flags, not once per kernel (a build that cannot use it parses the text instead; the code is the same).
+A build is written atomically (a temporary file, then a rename), under a file lock: of two processes
 that need one library (two pytest-xdist workers), one builds and the other waits, then loads what it built.
 Where there is no compiler, the build fails or the cache folder is not usable, ``KernelUnavailable`` says why.
 
@@ -194,10 +196,44 @@ def load_built(load: Callable, cxx: str, source: str, path: str, flags: Sequence
     raise AssertionError("unreachable")
 
 
+@lru_cache(maxsize=None)
+def precompiled_flags(cxx: str, header: str, flags: tuple, key: tuple) -> tuple:
+    """The flags that make a build with ``flags`` read the shipped ``header`` precompiled: ``-include`` of its copy
+    in the cache, beside the ``.gch`` built from it once (under the lock, written atomically). GCC only, and only
+    where that build succeeds: else () and each build parses the header itself, with the same result."""
+    if "__clang__" in target(cxx):  # (clang reads another PCH format)
+        return ()
+    flags = tuple(f for f in flags if f != "-shared")
+    text = read(header)
+    digest = hashlib.sha256("\0".join((text, cxx, *flags, *key)).encode()).hexdigest()[:24]
+    path = os.path.join(cache_dir(), f"{os.path.splitext(header)[0]}_{digest}.hpp")
+    try:
+        with _locked(path + ".gch"):
+            if not os.path.exists(path + ".gch"):
+                with tempfile.TemporaryDirectory(dir=cache_dir()) as work:
+                    copy = os.path.join(work, "header.hpp")
+                    with open(copy, "w") as f:
+                        f.write(text)
+                    os.replace(copy, path)
+                    out = os.path.join(work, "header.gch")
+                    done = subprocess.run([cxx, *flags, "-x", "c++-header", path, "-o", out], capture_output=True,
+                                          timeout=BUILD_TIMEOUT_S)
+                    if done.returncode != 0:
+                        return ()
+                    os.replace(out, path + ".gch")
+    except (OSError, subprocess.SubprocessError):
+        return ()
+    return ("-include", path)
+
+
 def load(stem: str, source: str, flags: Sequence[str], libraries: Sequence[str] = (), key: Sequence[str] = (),
-         suffix: str = ".so", loader: Callable = ctypes.CDLL, cxx: str | None = None):
+         suffix: str = ".so", loader: Callable = ctypes.CDLL, cxx: str | None = None, precompiled: str | None = None):
     """``loader`` of the library built from ``source`` with ``flags`` (and linker flags ``libraries``), cached as
-    ``<stem>_<hash><suffix>``; the hash covers the source, the compiler, its flags and ``key``."""
+    ``<stem>_<hash><suffix>``; the hash covers the source, the compiler, its flags and ``key``. ``precompiled``: a
+    shipped header that ``source`` includes, to build from its precompiled form (``precompiled_flags``)."""
     cxx = cxx or required_compiler()
     digest = hashlib.sha256("\0".join((source, cxx, *flags, *libraries, *key)).encode()).hexdigest()[:24]
-    return load_built(loader, cxx, source, os.path.join(cache_dir(), f"{stem}_{digest}{suffix}"), flags, libraries)
+    path = os.path.join(cache_dir(), f"{stem}_{digest}{suffix}")
+    if precompiled and not os.path.exists(path):
+        flags = (*precompiled_flags(cxx, precompiled, tuple(flags), tuple(key)), *flags)
+    return load_built(loader, cxx, source, path, flags, libraries)

@@ -2,17 +2,12 @@
 // bits, and bf16 <-> fp32 as torch converts. Included (inlined by native.assemble) into step_kernel.cpp.
 #ifndef FO_COMMON_HPP
 #define FO_COMMON_HPP
-#include <atomic>
-#include <cstdint>
-#include <cstring>
-#include <cmath>
+#include "system.hpp"
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__) && \
     defined(__AVX512VBMI__)
-#include <immintrin.h>
 #define FO_AVX512 1
 #define FO_AVX2 1
 #elif defined(__AVX2__)
-#include <immintrin.h>
 #define FO_AVX2 1
 #endif
 

@@ -76,10 +76,12 @@ def _column_names(formats: Sequence[Format | None]) -> list[str]:
     return cols
 
 
-def kernel_source(update: Callable, flags: tuple, formats: tuple, n_scalars: int, has_grad_mul: bool) -> str:
+def kernel_source(update: Callable, flags: tuple, formats: tuple, n_scalars: int) -> str:
     """C++ for one rule, FLAGS and state formats: the shipped template ``step_kernel.cpp`` filled with the rule's
     update (``cpp_twin``) and each state's load, store and codec. Its ``fo_step(table, n_tensors, begin, end,
-    scalars, grad_mul, maps)`` runs global blocks ``[begin, end)`` of the tensors in ``table``."""
+    scalars, grad_mul, maps)`` runs global blocks ``[begin, end)`` of the tensors in ``table``. The grad is
+    always multiplied by ``grad_mul`` (1 when none is given: exact), so steps with and without clipping or
+    GradScaler's unscale share one kernel and one build."""
     first = next(f for f in formats if f is not None)
     block = codecs.of(first).kernel_block(first)  # one walk for all states (``signature``: one codec)
     cols = _column_names(formats)
@@ -114,7 +116,7 @@ def kernel_source(update: Callable, flags: tuple, formats: tuple, n_scalars: int
         "step_kernel.cpp", width=str(len(cols)), block=str(block), constants="\n".join(constants),
         codecs=indent(codec_lines, 4), arrays=" ".join(f"alignas(64) float S{k}[BLOCK];" for k in active),
         tops=" ".join(f"uint32_t top{k} = 0;" for k in tops), loads=indent(loads, 8),
-        grad="G[i] * gm" if has_grad_mul else "G[i]",
+        grad="G[i] * gm",
         reads=indent([f"const float s{k}_ = S{k}[i];" for k in active], 12), body=indent(lines, 12),
         writes=indent(writes, 12), stores=indent(stores, 8), probes=indent(probes, 4))
 
@@ -125,7 +127,8 @@ def kernel_source(update: Callable, flags: tuple, formats: tuple, n_scalars: int
 def _library(source: str) -> ctypes.CDLL:
     """The built kernel (``native.load``); no compiler or a failed build raises ``KernelUnavailable``."""
     cxx = native.required_compiler()
-    lib = native.load("kernel", source, CXXFLAGS, key=(sys.platform, native.target(cxx)), cxx=cxx)
+    lib = native.load("kernel", source, CXXFLAGS, key=(sys.platform, native.target(cxx)), cxx=cxx,
+                      precompiled="system.hpp")
     lib.fo_step.restype = None
     lib.fo_step.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
                             ctypes.c_void_p, ctypes.c_void_p]
@@ -136,15 +139,15 @@ def _library(source: str) -> ctypes.CDLL:
 
 
 @lru_cache(maxsize=None)
-def kernel(update: Callable, flags: tuple, formats: tuple, n_scalars: int, has_grad_mul: bool) -> ctypes.CDLL:
-    return _library(kernel_source(update, flags, formats, n_scalars, has_grad_mul))
+def kernel(update: Callable, flags: tuple, formats: tuple, n_scalars: int) -> ctypes.CDLL:
+    return _library(kernel_source(update, flags, formats, n_scalars))
 
 
 def _probe() -> ctypes.CDLL:
     """A tiny kernel (SGD, 16-bit state): what ``available`` and ``simd_width`` build to find out."""
     from ...rules.sgd import sgd_update
 
-    return kernel(sgd_update, (False, False, True, False), (Format(16),), 5, False)
+    return kernel(sgd_update, (False, False, True, False), (Format(16),), 5)
 
 
 @lru_cache(maxsize=1)
@@ -268,7 +271,7 @@ def run(update: Callable, table: Table, scalars: Tensor, flags: tuple, grad_mul:
     """One step over the tensors of ``table``; ``scalars`` is the step's fp32 scalars on the CPU, ``grad_mul``
     a 0-d fp32 CPU tensor or None."""
     formats, first = table.formats, table.blocks
-    lib = kernel(update, tuple(flags), formats, scalars.numel(), grad_mul is not None)
+    lib = kernel(update, tuple(flags), formats, scalars.numel())
     _, maps = _map_pointers(formats)
     gm = None if grad_mul is None else grad_mul.data_ptr()
     threads = max(1, min(torch.get_num_threads(), first // CHUNK_BLOCKS))
