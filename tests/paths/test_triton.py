@@ -35,13 +35,22 @@ def _assert_same(ours, base, ours_p, base_p, step):
                 assert_state_close(ours.state[a][k], v, msg=f"step {step}, param {i}, state {k}")
 
 
+@pytest.fixture
+def small_chunks(monkeypatch):
+    """Chunks of 4 blocks instead of 64: a tensor spans several chunks at a tenth of the size (the interpreter
+    runs the block loop in Python). The same code: ``CHUNK`` is read at each launch, by the table's chunk list
+    and by the kernel's constexpr, and a real GPU launch keeps its own."""
+    monkeypatch.setattr(tk, "CHUNK", 4 * tk.BLOCK)
+
+
 @pytest.mark.parametrize("name,index", ELEMENTWISE_CASES)
-def test_interpreted_kernel_matches_loop_level_every_step(interpret, name, index):
+def test_interpreted_kernel_matches_loop_level_every_step(interpret, small_chunks, name, index):
     spec = OPTIMIZERS[name]
     opts = spec.option_sets[index]
     base_p = make_params(name=name)
     ours_p = clone_params(base_p)
-    # one tensor spans several chunks and ends mid-block; the others are tiny, empty, 0-d, strided
+    # one tensor spans several chunks (full blocks in each) and ends mid-block; the others are tiny, empty, 0-d,
+    # strided
     for params in (base_p, ours_p):
         params.append(torch.nn.Parameter(torch.linspace(-1, 1, tk.CHUNK + 3 * tk.BLOCK + 7)))
     base = spec.cls(base_p, impl="loop", **opts)
@@ -54,6 +63,10 @@ def test_interpreted_kernel_matches_loop_level_every_step(interpret, name, index
         # the kernel ran; the transposed param (and its grad) went to the foreach level, nothing else did
         assert "triton" in paths and "foreach" in paths and set(paths) == {"triton", "foreach"}, paths
         _assert_same(ours, base, ours_p, base_p, step)
+    table = next(c["triton_table"] for c in ours._bucket_caches.values() if "triton_table" in c)
+    long_row = table.table[:, 0].tolist().index(tk.CHUNK + 3 * tk.BLOCK + 7)
+    starts = [start for row, start in table.chunks.tolist() if row == long_row]
+    assert starts == [0, tk.CHUNK]  # two programs over the long tensor: a full chunk, then 3 blocks and a tail
 
 
 def test_thousands_of_tensors_in_one_launch(interpret):
@@ -74,6 +87,30 @@ def test_thousands_of_tensors_in_one_launch(interpret):
         _assert_same(ours, base, ours_p, base_p, step)
     table = next(iter(ours._bucket_caches.values()))["triton_table"]
     assert table.n_chunks == sum(1 for n in sizes if n > 0)  # one launch covered every non-empty tensor
+
+
+def test_interpreter_patches_triton_language_once_per_launch(interpret, monkeypatch):
+    """The twin and its primitives are device functions: called once per block, they run under the patches
+    the launch made (Triton's own device call would patch ``triton.language`` again each time). Same
+    numbers as the loop level."""
+    from triton.runtime import interpreter
+
+    patches = []
+    real = interpreter._patch_lang
+    monkeypatch.setattr(interpreter, "_patch_lang", lambda fn: patches.append(fn.__name__) or real(fn))
+    base_p = [torch.nn.Parameter(torch.randn(n)) for n in (3 * tk.BLOCK + 5, 40, 7)]
+    ours_p = clone_params(base_p)
+    base = OPTIMIZERS["adamw"].cls(base_p, impl="loop", lr=1e-2, amsgrad=True)  # the twin calls maximum, sqrt
+    ours = OPTIMIZERS["adamw"].cls(ours_p, impl="fused", lr=1e-2, amsgrad=True)
+    for step in range(1, 3):
+        set_grads(step, [base_p, ours_p], none_every=10 ** 9)
+        base.step()
+        patches.clear()
+        with record_paths() as paths:
+            ours.step()
+        assert paths == ["triton"]
+        assert patches == ["adam_update_multi_tensor_111"], patches  # the launch's, none per call
+        _assert_same(ours, base, ours_p, base_p, step)
 
 
 def test_flat_buffer_runs_one_kernel_over_the_bucket(interpret):

@@ -36,8 +36,10 @@ from fastoptim.registry import OPTIMIZERS  # noqa: E402
 from test_cpu_kernels import _assert_stored_equal, _oracle  # noqa: E402
 
 # whole rows of every block size and aligned (the hinted branch); rows of 257, 93, 131 and 1000 elements
-# (ragged: 1000 = 256 + 256 + 256 + 232; 131 and 93 odd, a 4-bit row ending in half a byte); a 3-D param
-SHAPES = [(3, 512), (16, 257), (5, 3, 31), (9, 131), (2, 1000)]
+# (ragged: 1000 = 256 + 256 + 256 + 232; 131 and 93 odd, a 4-bit row ending in half a byte); a 3-D param.
+# 8 rows of 257 are two tiles of one program at 16, 8 and 4 bits (the tile loop runs twice); more rows only
+# add tiles for the interpreter to run (each ~60 ms), no branch.
+SHAPES = [(3, 512), (8, 257), (5, 3, 31), (8, 131), (2, 1000)]
 CONFIGS = ELEMENTWISE_CASES
 
 
@@ -143,6 +145,11 @@ def test_kernel_stores_the_ieee_oracles_bytes_and_matches_the_staged_loop_level(
                     _assert_stored_equal(ours.state[p][state_name], value, f"step {step}: {state_name} of "
                                          f"{tuple(p.shape)}")
         _assert_same_stored(ours, base, ours_p, base_p, f"step {step} vs loop")
+    tables = next(c for c in ours._bucket_caches.values() if "triton_stored_tables" in c)["triton_stored_tables"]
+    (table,) = tables.values()
+    assert table.table[:, 3].tolist() == [1, 0, 0, 0, 0]  # the whole-rows branch for the aligned 512-rows only
+    (formats, _), = tables.keys()
+    assert int(table.table[1, 0]) > ts.tile_blocks(ts.codec_block(formats))  # 8 x 257: the tile loop ran twice
 
 
 @pytest.mark.parametrize("bits", (16, 8, 4))

@@ -81,19 +81,42 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def _jit(fn: Callable, interpret: bool):
+def _jit(fn: Callable, interpret: bool, device_function: bool = False):
     """Jit for real GPUs or for the interpreter, chosen per call (not by the environment at import), so
-    one process can both interpret kernels and compile them ahead of time."""
+    one process can both interpret kernels and compile them ahead of time. ``device_function``: called from
+    a kernel (the twin, a primitive), never launched."""
     if interpret:
         from triton.runtime.interpreter import InterpretedFunction
-        return InterpretedFunction(fn)
+        return (_interpreted_device_function() if device_function else InterpretedFunction)(fn)
     return JITFunction(fn)
 
 
 @lru_cache(maxsize=None)
+def _interpreted_device_function():
+    """The interpreter's function class, but a call from a kernel does not patch ``triton.language`` again.
+
+    Triton's interpreter patches the ``tl`` it finds in a launched kernel's globals for the whole launch, and
+    again (never undone) at every device-function call, which rebuilds the same patches: a quarter of the
+    interpreter's time in our kernels, which call the twin and its primitives once per block. Ours share the
+    kernel's ``tl`` (``triton_twin`` puts it in the twin's globals), so the launch's patches are the ones
+    the call would make; the call runs the same rewritten function."""
+    from triton.runtime.interpreter import InterpretedFunction, InterpreterError
+
+    class InterpretedDeviceFunction(InterpretedFunction):
+        def __call__(self, *args, **kwargs):
+            fn = self.rewrite()
+            try:
+                return fn(*args, **kwargs)
+            except Exception as e:
+                raise InterpreterError(repr(e)) from e
+
+    return InterpretedDeviceFunction
+
+
+@lru_cache(maxsize=None)
 def _prims(interpret: bool) -> dict:
-    return {"sqrt": _jit(_sqrt, interpret), "sign": _jit(_sign, interpret), "maximum": _jit(_maximum, interpret),
-            "clamp": _jit(_clamp, interpret)}
+    return {name: _jit(fn, interpret, device_function=True)
+            for name, fn in (("sqrt", _sqrt), ("sign", _sign), ("maximum", _maximum), ("clamp", _clamp))}
 
 
 class _IEEEDivision(ast.NodeTransformer):
@@ -148,7 +171,7 @@ def triton_twin(update: Callable, interpret: bool = False):
     clone.__defaults__ = update.__defaults__
     clone.__qualname__ = f"{update.__qualname__}_triton"
     clone.__module__ = update.__module__
-    return _jit(clone, interpret)
+    return _jit(clone, interpret, device_function=True)
 
 
 # --- the multi-tensor kernel, generated for a rule's arity ---------------------------------------------
