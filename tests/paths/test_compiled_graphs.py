@@ -98,3 +98,28 @@ def test_a_stage_declared_flat_gives_on_vectors_what_it_gives_on_shaped_tensors(
         flat = _written(stage, [t.reshape(2, -1).clone() for t in batch], scalars, flags)
         for a, b in zip(shaped, flat):
             torch.testing.assert_close(a.reshape(2, -1), b, rtol=1e-6, atol=1e-7)
+
+
+def test_a_param_as_long_as_the_scalars_shares_the_graph_of_others(monkeypatch):
+    """The scalars tensor's length is static: were it dynamic, Dynamo would tie a param size of the same value to
+    it, and unbinding the scalars would make that size static (a graph of its own for every other size)."""
+    monkeypatch.setattr(dispatch, "ROUTING", False)
+    torch._dynamo.reset()
+    rule = OPTIMIZERS["adam"].cls.rule
+    k = len(rule.scalars({**rule.defaults, "lr": 0.1}, 1))
+    g = torch.Generator().manual_seed(0)
+    ours = [torch.nn.Parameter(torch.randn(n, generator=g)) for n in (k, k + 5)]
+    theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+    opt, ref = fastoptim.Adam(ours, lr=0.1, impl="compiled"), torch.optim.Adam(theirs, lr=0.1, foreach=False)
+    before = _unique_graphs()
+    with record_paths() as paths:
+        for step in range(2):
+            for a, b in zip(ours, theirs):
+                a.grad = torch.randn(a.shape, generator=g)
+                b.grad = a.grad.clone()
+            opt.step()
+            ref.step()
+    assert paths == ["compiled"] * 2
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a, b)
+    assert _unique_graphs() - before == 1
