@@ -7,7 +7,9 @@
   once per shape group: the group's tensors stacked on a leading dim, one batched call for all of them (the
   compiled level compiles it). Stacking costs a copy of what the stage reads and writes back, which pays
   where calls are many and small; a group of large tensors that are not already one buffer (scratch is)
-  runs one tensor at a time instead, as views (``STACK_MAX_NUMEL``).
+  runs one tensor at a time instead, as views (``STACK_MAX_NUMEL``). The compiled level hands the compiled stage
+  contiguous batches, as vectors where the stage is declared ``flat``, and runs tensors of at most one element
+  eagerly: layouts, ranks and sizes 0 and 1 would each compile a graph of their own (``_canonical``).
 
 On sharded params (FSDP2) a per-tensor stage runs each whole tensor on one rank (``sharded``).
 
