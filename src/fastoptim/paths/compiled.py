@@ -5,7 +5,10 @@ inside the graph, so Inductor writes them in place: one pass over memory. Hyper-
 one float32 tensor (``scalars``), unbound inside the graph, so a schedule changing lr or betas every
 step never recompiles; the FLAGS (fixed for a run) are baked into one compiled function per
 combination. Contiguous tensors go in as 1-D views with dynamic sizes, so one compiled kernel serves
-every param of a bucket.
+every param of a bucket. Dynamo specialises a size of 1 (a graph of its own), so the bucket's 1-element tensors
+(0-d params, biases of one) go in together, as one call on their concatenation of at least 2 elements, and are
+written back after it: exact, since the update is elementwise (each element's result depends on that element and
+the scalars alone; the foreach level runs the same source on tensor lists).
 """
 
 from __future__ import annotations
@@ -50,10 +53,24 @@ def _flat(t: Tensor) -> Tensor:
     return t.view(-1).detach()
 
 
+def _run_packed(fn: Callable, part: Bucket, grads: list, indices: list[int], scalars_t: Tensor) -> None:
+    """``fn`` once over the 1-element tensors at ``indices``, concatenated (the first repeated where it is alone:
+    a call of one element would compile a graph of its own), and their new values copied back."""
+    rows = indices if len(indices) > 1 else indices * 2
+    p = torch.cat([_flat(part.params[i]) for i in rows])
+    g = torch.cat([_flat(grads[i]) for i in rows])
+    states = [None if s is None else torch.cat([_flat(s[i]) for i in rows]) for s in part.states]
+    fn(p, g, states, scalars_t)
+    n = len(indices)
+    for packed, targets in zip((p, *states), (part.params, *part.states)):
+        if packed is not None:
+            torch._foreach_copy_([_flat(targets[i]) for i in indices], list(packed[:n].split(1)))
+
+
 @lru_cache(maxsize=None)
 def compiled_step(update: Callable, flags: tuple, dtype: torch.dtype, has_grad_mul: bool) -> Callable:
-    """One compiled function per rule, FLAGS and dtype: its only variants are the size-1 specialisation
-    and the dynamic size, well inside torch.compile's recompile limit."""
+    """One compiled function per rule, FLAGS and dtype: one graph for every size of 2 and up (1-element tensors
+    go in packed, ``_run_packed``)."""
     return torch.compile(_in_place(update, flags, has_grad_mul), dynamic=True, fullgraph=True)
 
 
@@ -72,8 +89,13 @@ class Compiled(Path):
         fn = compiled_step(ctx.rule.update, tuple(flags), dtype, grad_mul is not None)
         scalars_t = pack_scalars(scalars if grad_mul is None else (*scalars, grad_mul), part.device,
                                  torch.float64 if dtype == torch.float64 else torch.float32)
+        # its length is fixed: dynamic, it would be "duck-sized" as one with a param's size of the same value, and
+        # unbinding it would then make that size static (a param of that size, a graph of its own)
+        torch._dynamo.mark_static(scalars_t, 0)
         grads = part.grads
         strided = []  # non-contiguous tensors: each layout would be a recompile; they run eagerly instead
+        singles = {}  # contiguous 1-element tensors by their tensors' dtypes: one packed call per kind (a size of 1
+        # would be a graph of its own)
         for i, (p, g) in enumerate(zip(part.params, grads)):
             states = [None if s is None else s[i] for s in part.states]
             if p.numel() == 0:
@@ -81,7 +103,12 @@ class Compiled(Path):
             if not all(t is None or t.is_contiguous() for t in (p, g, *states)):
                 strided.append(i)
                 continue
+            if p.numel() == 1:
+                singles.setdefault(tuple(None if t is None else t.dtype for t in (g, *states)), []).append(i)
+                continue
             fn(_flat(p), _flat(g), [None if s is None else _flat(s) for s in states], scalars_t)
+        for indices in singles.values():
+            _run_packed(fn, part, grads, indices, scalars_t)
         if strided:
             grads = scaled_grads([grads[i] for i in strided], grad_mul)
             loop.apply(ctx.rule.update, [part.params[i] for i in strided], grads,

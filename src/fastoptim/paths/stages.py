@@ -7,7 +7,9 @@
   once per shape group: the group's tensors stacked on a leading dim, one batched call for all of them (the
   compiled level compiles it). Stacking costs a copy of what the stage reads and writes back, which pays
   where calls are many and small; a group of large tensors that are not already one buffer (scratch is)
-  runs one tensor at a time instead, as views (``STACK_MAX_NUMEL``).
+  runs one tensor at a time instead, as views (``STACK_MAX_NUMEL``). The compiled level hands the compiled stage
+  contiguous batches, as vectors where the stage is declared ``flat``, and runs tensors of at most one element
+  eagerly: layouts, ranks and sizes 0 and 1 would each compile a graph of their own (``_canonical``).
 
 On sharded params (FSDP2) a per-tensor stage runs each whole tensor on one rank (``sharded``).
 
@@ -130,13 +132,20 @@ def _per_tensor(impl: str, stage, tensors: dict, stacked: dict, scalars: tuple, 
         batch = [None if tensors[name] is None else stacked.get((name, tuple(members)))
                  if (name, tuple(members)) in stacked else _stack([tensors[name][i] for i in members])
                  for name in stage.reads]
-        if impl == "compiled":
-            out = fn(batch, pack_scalars(scalars, tensors["param"][members[0]].device,
-                                         torch.float64 if batch[0].dtype == torch.float64 else torch.float32))
+        # a tensor of at most one element runs eagerly: Dynamo specialises sizes 0 and 1, so each such shape would
+        # compile a graph of its own, to save nothing
+        compiled = impl == "compiled" and tensors["param"][members[0]].numel() > 1
+        if compiled:
+            scalars_t = pack_scalars(scalars, tensors["param"][members[0]].device,
+                                     torch.float64 if batch[0].dtype == torch.float64 else torch.float32)
+            torch._dynamo.mark_static(scalars_t, 0)  # (as the compiled level's: a dim of its size stays dynamic)
+            out = fn(_canonical(batch, stage.flat), scalars_t)
+            out = [None if new is None or tensors[name] is None else new.reshape(
+                (len(members), *tensors[name][members[0]].shape)) for name, new in zip(stage.writes, out)]
         else:
-            out = fn(*batch, *scalars, *flags)
-        if stage.in_place and impl != "compiled":  # written into the batch: a target's own view, the stacked
-            out = [batch[k] for k in written]          # scratch, or a stacked copy
+            out = stage.fn(*batch, *scalars, *flags)
+        if stage.in_place and not compiled:  # written into the batch: a target's own view, the stacked
+            out = [batch[k] for k in written]  # scratch, or a stacked copy
         for name, new in zip(stage.writes, out):
             if tensors[name] is None:
                 continue
@@ -149,6 +158,13 @@ def _per_tensor(impl: str, stage, tensors: dict, stacked: dict, scalars: tuple, 
                     targets[0].copy_(new[0])
             else:
                 torch._foreach_copy_(targets, list(new.unbind(0)))
+
+
+def _canonical(batch: list, flat: bool) -> list:
+    """The batch as the compiled stage sees it, so that fewer layouts make graphs of their own: contiguous (a
+    strided layout would be a graph of its own), and for a ``flat`` stage each tensor as a vector, (n, numel) (so
+    every rank shares one graph); not views (``detach``: Dynamo guards on a view's base too)."""
+    return [None if t is None else (t.reshape(t.shape[0], -1) if flat else t).contiguous().detach() for t in batch]
 
 
 def _stack(ts: list[Tensor]) -> Tensor:

@@ -65,11 +65,17 @@ class PerTensor:
 
     ``in_place``: ``fn`` writes each of ``writes`` (all of them among ``reads``) into its argument, in place, as
     torch.optim's own loops do, and returns None; no other argument is written. An argument may then be the
-    target itself (a view of it), so the new values need no pass of their own to get there."""
+    target itself (a view of it), so the new values need no pass of their own to get there.
+
+    ``flat``: ``fn``'s result for a tensor does not depend on its shape (LAMB's norms over the whole tensor), so
+    ``fn`` may get each tensor as a vector, the batch shaped (n, numel): the compiled level passes it so, and
+    compiles one graph for every rank. Leave it False where the math reads a tensor's own dims (Adafactor's row
+    and column factors, Muon's matrices); tests/paths/test_stages.py checks every stage declared flat."""
     fn: Callable[..., tuple | None]
     reads: tuple[str, ...]
     writes: tuple[str, ...]
     in_place: bool = False
+    flat: bool = False
 
     def __post_init__(self):
         if self.in_place and not set(self.writes) <= set(self.reads):

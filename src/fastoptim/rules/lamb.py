@@ -79,7 +79,7 @@ class LAMBRule(Rule):
     unsigned_states = frozenset({"exp_avg_sq"})
     scratch = ("update",)
     stages = (Elementwise(lamb_direction, ("exp_avg", "exp_avg_sq", "update")),
-              PerTensor(lamb_trust_ratio, ("param", "update"), ("update",)),
+              PerTensor(lamb_trust_ratio, ("param", "update"), ("update",), flat=True),
               Elementwise(lamb_apply, ("update",)))
     option_sets = (
         dict(lr=1e-2),
