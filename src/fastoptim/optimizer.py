@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from . import bulk, clip, storage
+from .eager import eager
 from .engine import amp, dispatch, plan
 from .engine.flat import FlatBucket
 from .paths import sharded
@@ -206,7 +207,7 @@ class FastOptimizer(torch.optim.Optimizer):
     # Dynamo cannot trace the step (C++ extension calls, the native kernels' build, Python-side caches): a
     # compiled function that calls it breaks its graph here and runs the step eagerly, with the same numbers;
     # under fullgraph=True this reason is the error
-    @torch.compiler.disable(reason=STEP_NOT_TRACEABLE)
+    @eager(reason=STEP_NOT_TRACEABLE)
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None):
         loss = None
@@ -330,7 +331,7 @@ class FastOptimizer(torch.optim.Optimizer):
             raise ValueError(f"flat=True: param group {index} no longer holds the params its flat buffers were "
                              "made for (param_groups edited by hand); make a new optimizer for the new groups")
 
-    @torch.compiler.disable(reason=STEP_NOT_TRACEABLE)  # (as torch.optim's own zero_grad is)
+    @eager(reason=STEP_NOT_TRACEABLE)  # (as torch.optim's own zero_grad is)
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As torch.optim's. In flat mode ``set_to_none=False`` zeroes each bucket's grad buffer with one memset."""
         if not self.flat:

@@ -32,6 +32,7 @@ from torch.utils.dlpack import to_dlpack
 
 from .. import storage
 from ..bulk import all_set_to, layouts, set_to as same_layout, with_grads
+from ..eager import eager
 from ..paths.base import GradViews
 
 
@@ -41,7 +42,7 @@ def alias(buffer: Tensor, start: int, shape: torch.Size) -> Tensor:
     return torch.from_dlpack(to_dlpack(buffer[start:start + math.prod(shape)].view(shape)))
 
 
-@torch.compiler.disable  # a backward run from a compiled function would trace it, once per param (index guards)
+@eager  # a backward run from a compiled function would trace it, once per param (index guards)
 def _point_grad(bucket_ref: weakref.ref, index: int, grad_outputs: tuple) -> None:
     """Runs before autograd accumulates a param's grad (a pre-hook of its AccumulateGrad node, which runs in a
     backward and not in ``torch.autograd.grad``): see ``FlatBucket.point_grad``. Holds its bucket weakly: the

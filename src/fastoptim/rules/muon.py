@@ -23,6 +23,7 @@ import math
 
 import torch
 
+from ..eager import eager
 from .adam import AdamRule
 from .base import Elementwise, PerTensor, Rule, _number, check_bool, check_nonnegative, register
 
@@ -68,7 +69,7 @@ def fast_matmul_dtype(device_type: str) -> torch.dtype:
     return torch.float32
 
 
-@torch.compiler.disable  # the chain is library GEMM calls either way; compiled, Inductor would round bf16 its own way
+@eager  # the chain is library GEMM calls either way; compiled, Inductor would round bf16 its own way
 def newton_schulz(x, coefficients: tuple, eps, steps: int, dtype):
     """The orthogonalisation of each matrix of the batch ``x`` (n, rows, cols), in ``dtype`` (None: the device's
     ``fast_matmul_dtype``), with torch's operations (``baddbmm`` is ``addmm`` batched: the scaling and the sum in
