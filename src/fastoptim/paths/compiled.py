@@ -31,13 +31,13 @@ def mean_numel(bucket: Bucket) -> float:
     return sum(p.numel() for p in bucket.params) / len(bucket.params)
 
 
-def _in_place(update: Callable, flags: tuple, has_grad_mul: bool) -> Callable:
+def _in_place(update: Callable, flags: tuple) -> Callable:
     def step(p: Tensor, g: Tensor, states: list, scalars: Tensor) -> None:
         values = scalars.unbind(0)
-        if has_grad_mul:  # the grad multiplier rides last in ``scalars``
-            g = g * values[-1]
-            values = values[:-1]
-        out = update(p, g, *states, *values, *flags)
+        # the grad multiplier rides last in ``scalars``, 1 where there is none (exact): steps with and without
+        # clipping or unscaling share one graph
+        g = g * values[-1]
+        out = update(p, g, *states, *values[:-1], *flags)
         p.copy_(out[0])
         for s, new in zip(states, out[1:]):
             if s is not None:
@@ -68,10 +68,10 @@ def _run_packed(fn: Callable, part: Bucket, grads: list, indices: list[int], sca
 
 
 @lru_cache(maxsize=None)
-def compiled_step(update: Callable, flags: tuple, dtype: torch.dtype, has_grad_mul: bool) -> Callable:
+def compiled_step(update: Callable, flags: tuple, dtype: torch.dtype) -> Callable:
     """One compiled function per rule, FLAGS and dtype: one graph for every size of 2 and up (1-element tensors
     go in packed, ``_run_packed``)."""
-    return torch.compile(_in_place(update, flags, has_grad_mul), dynamic=True, fullgraph=True)
+    return torch.compile(_in_place(update, flags), dynamic=True, fullgraph=True)
 
 
 class Compiled(Path):
@@ -86,8 +86,8 @@ class Compiled(Path):
     def run(self, part: Bucket, ctx: StepContext) -> None:
         grad_mul, scalars, flags = ctx.grad_mul, ctx.scalars, ctx.flags
         dtype = part.params[0].dtype
-        fn = compiled_step(ctx.rule.update, tuple(flags), dtype, grad_mul is not None)
-        scalars_t = pack_scalars(scalars if grad_mul is None else (*scalars, grad_mul), part.device,
+        fn = compiled_step(ctx.rule.update, tuple(flags), dtype)
+        scalars_t = pack_scalars((*scalars, 1.0 if grad_mul is None else grad_mul), part.device,
                                  torch.float64 if dtype == torch.float64 else torch.float32)
         # its length is fixed: dynamic, it would be "duck-sized" as one with a param's size of the same value, and
         # unbinding it would then make that size static (a param of that size, a graph of its own)
