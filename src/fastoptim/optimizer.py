@@ -5,12 +5,9 @@ with their state tensors) before it touches anything, so bad hyper-parameters, s
 state tensor leave params and state as they were; then it commits the plan (new states in place) and hands
 it to the dispatcher (``engine.dispatch``), which counts the step and runs each bucket on its paths. The plan is
 reused while nothing it was built from changes (``plan`` says what that is). ``state_dict()`` writes the
-step counters as torch.optim does (0-d float tensors) and ``load_state_dict`` reads both.
-
-With ``flat=True`` each group's params, grads and states live in one buffer per (device, dtype)
-(``engine.flat.FlatBucket``) and a step is one pass over those buffers.
-
-torch.amp.GradScaler: ``engine.amp`` says when the step takes ``grad_scale``/``found_inf`` itself and what it does with them.
+step counters as torch.optim does (0-d float tensors) and ``load_state_dict`` reads both. With ``flat=True`` each
+group's params, grads and states live in one buffer per (device, dtype) (``engine.flat.FlatBucket``). GradScaler:
+``engine.amp`` says when the step takes ``grad_scale``/``found_inf`` itself and what it does with them.
 """
 
 from __future__ import annotations
@@ -205,8 +202,7 @@ class FastOptimizer(torch.optim.Optimizer):
     # --- the step -------------------------------------------------------------------------------
 
     # Dynamo cannot trace the step (C++ extension calls, the native kernels' build, Python-side caches): a
-    # compiled function that calls it breaks its graph here and runs the step eagerly, with the same numbers;
-    # under fullgraph=True this reason is the error
+    # compiled function that calls it breaks its graph here and runs the step eagerly (fullgraph=True: an error)
     @eager(reason=STEP_NOT_TRACEABLE)
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None):

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from . import quant
+from . import quant, registry
 
 
 class Format:
@@ -62,31 +62,26 @@ class Format:
 
     @property
     def quantized(self) -> bool:
-        return _codecs().of(self).quantized
+        return registry.of(self).quantized
 
     @property
     def qmap(self) -> quant.QuantMap:
-        return _codecs().of(self).qmap(self)
+        return registry.of(self).qmap(self)
 
     @property
     def block(self) -> int:
-        return _codecs().of(self).block(self)
+        return registry.of(self).block(self)
 
     @property
     def tag(self) -> str:
         """What a checkpoint records: the map and block size (the codes mean nothing without them)."""
-        return _codecs().of(self).tag(self)
+        return registry.of(self).tag(self)
 
     @staticmethod
     def from_tag(tag: str) -> "Format":
         """The quantized format whose ``tag`` is ``tag`` (ValueError where none is)."""
-        return _codecs().from_tag(tag)
+        return registry.from_tag(tag)
 
-
-def _codecs():
-    from . import codecs  # (they import this module: ``Format`` is what they make)
-
-    return codecs
 
 
 PLAIN = Format(32)

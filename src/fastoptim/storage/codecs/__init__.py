@@ -28,84 +28,12 @@ each codec in turn), so two such codecs should not keep the same dtype with diff
 
 from __future__ import annotations
 
-from typing import Any
-
-from ..state import Format
+from ..registry import (CODECS, for_bits, from_tag, keys, lookup, names, of, register,  # noqa: F401
+                        unregister)
 from .base import Codec, CppPieces  # noqa: F401
 from .bf16 import BF16_CODEC
 from .dynamic import DYNAMIC4, DYNAMIC8
 from .plain import PLAIN_CODEC
 
-CODECS: dict[str, Codec] = {}  # by name
-_BY_ALIAS: dict[Any, Codec] = {}
-_BY_BITS: dict[int, Codec] = {}  # each width's own format: what ``state_bits=`` names
-
-
-def register(codec: Codec) -> Codec:
-    """Make ``codec`` one of the formats (its names must be new). The first codec of a width is that width's
-    own: ``state_bits=bits`` names it, param groups and checkpoints carry the number and its states' formats
-    are ``Format(bits)``. One registered beside it is named only by its name: groups carry the name (its
-    ``key``) and its formats name it (``Codec.format``)."""
-    for key in (codec.name, *codec.aliases):
-        if key in _BY_ALIAS:
-            raise ValueError(f"state format name {key!r} is taken by {_BY_ALIAS[key].name!r}")
-    own = codec.bits not in _BY_BITS
-    codec.key, codec.format_name = (codec.bits, None) if own else (codec.name, codec.name)
-    CODECS[codec.name] = codec
-    if own:
-        _BY_BITS[codec.bits] = codec
-    for key in (codec.name, *codec.aliases):
-        _BY_ALIAS[key] = codec
-    return codec
-
-
-def unregister(codec: Codec) -> None:
-    """Take back a codec registered beside its width's own (a test's; the built-in formats stay)."""
-    if CODECS.get(codec.name) is not codec or codec.format_name is None:
-        raise ValueError(f"{codec.name!r} is not a state format registered beside the built-in ones")
-    del CODECS[codec.name]
-    for key in (codec.name, *codec.aliases):
-        del _BY_ALIAS[key]
-
-
 for _codec in (PLAIN_CODEC, BF16_CODEC, DYNAMIC8, DYNAMIC4):  # the formats, in the order error messages list them
     register(_codec)
-
-
-def names() -> str:
-    """The names ``state_format=`` takes, for error messages and docs."""
-    return ", ".join(repr(key) for c in CODECS.values() for key in (c.name, *c.aliases))
-
-
-def lookup(name: Any, where: str = "state_format") -> Codec:
-    """The codec called ``name`` (its name or an alias); ValueError naming the valid ones otherwise."""
-    codec = _BY_ALIAS.get(name) if isinstance(name, str) else None
-    if codec is None:
-        raise ValueError(f"Invalid {where}: {name!r} (must be one of {names()})")
-    return codec
-
-
-def for_bits(bits: int | str) -> Codec:
-    """The codec that ``state_bits=bits`` names: a width, or a codec's ``key`` (its name, for one registered
-    beside its width's own)."""
-    return CODECS[bits] if isinstance(bits, str) else _BY_BITS[bits]
-
-
-def of(fmt: Format) -> Codec:
-    """The codec of a state kept in ``fmt``."""
-    return _BY_BITS[fmt.bits] if fmt.codec is None else CODECS[fmt.codec]
-
-
-def from_tag(tag: str) -> Format:
-    """The format a checkpoint's ``tag`` names (``Codec.tag`` of one of a codec's ``formats``)."""
-    for codec in CODECS.values():
-        for fmt in codec.formats():
-            if codec.tag(fmt) == tag:
-                return fmt
-    raise ValueError(f"unknown quantized state format {tag!r}")
-
-
-def keys() -> tuple:
-    """What ``state_bits`` (a group's, the optimizer's) may hold: each width, then each other codec's name."""
-    return tuple(c.key for c in CODECS.values())
-
