@@ -176,17 +176,21 @@ def triton_twin(update: Callable, interpret: bool = False):
 
 # --- the multi-tensor kernel, generated for a rule's arity ---------------------------------------------
 
-_TEMPLATE = '''
-def {name}(table, chunks, grad_mul, found_inf, scalars, {scalar_args}
-           P_DTYPE: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
-           HAS_GRAD_MUL: tl.constexpr, HAS_INF: tl.constexpr, SCALARS_IN_MEMORY: tl.constexpr, {flag_args}):
-    if SCALARS_IN_MEMORY:  # tensor-valued hyper-parameters: read on the device, never synced to the host
+# both kernels' first lines (``triton_stored`` too): the scalars read on the device where they are tensors, and
+# the step skipped where GradScaler found an inf
+PROLOGUE = '''    if SCALARS_IN_MEMORY:  # tensor-valued hyper-parameters: read on the device, never synced to the host
 {scalar_loads}
     if HAS_INF:
         if tl.load(found_inf) != 0:
             return
     pid = tl.program_id(0)
-    tensor = tl.load(chunks + 2 * pid)
+'''
+
+_TEMPLATE = '''
+def {name}(table, chunks, grad_mul, found_inf, scalars, {scalar_args}
+           P_DTYPE: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+           HAS_GRAD_MUL: tl.constexpr, HAS_INF: tl.constexpr, SCALARS_IN_MEMORY: tl.constexpr, {flag_args}):
+''' + PROLOGUE + '''    tensor = tl.load(chunks + 2 * pid)
     start = tl.load(chunks + 2 * pid + 1)
     row = table + tensor * {row_len}
     end = tl.minimum(start + CHUNK, tl.load(row))

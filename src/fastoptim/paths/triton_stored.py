@@ -47,7 +47,7 @@ import triton.language as tl
 from torch import Tensor
 
 from .base import pack_scalars, took
-from .triton_kernels import ALIGN, NUM_WARPS, _exec_source, _jit, interpreting, triton_twin
+from .triton_kernels import ALIGN, NUM_WARPS, PROLOGUE, _exec_source, _jit, interpreting, triton_twin
 from .. import storage
 from ..storage import Format, codecs
 
@@ -89,13 +89,7 @@ _TEMPLATE = '''
 def {name}(table, work, grad_mul, found_inf, scalars, keys, {map_args}{scalar_args}
            TB: tl.constexpr, QB: tl.constexpr, CHUNK_TILES: tl.constexpr, STOCHASTIC: tl.constexpr,
            HAS_GRAD_MUL: tl.constexpr, HAS_INF: tl.constexpr, SCALARS_IN_MEMORY: tl.constexpr, {flag_args}):
-    if SCALARS_IN_MEMORY:  # tensor-valued hyper-parameters: read on the device, never synced to the host
-{scalar_loads}
-    if HAS_INF:
-        if tl.load(found_inf) != 0:
-            return
-    pid = tl.program_id(0)
-    tensor = tl.load(work + 2 * pid)
+''' + PROLOGUE + '''    tensor = tl.load(work + 2 * pid)
     first = tl.load(work + 2 * pid + 1)
     row = table + tensor * {row_len}
     n_blocks = tl.load(row)
