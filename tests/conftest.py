@@ -42,6 +42,23 @@ if os.environ.get("FASTOPTIM_TEST_DEVICES"):
     DEVICES = [d for d in os.environ["FASTOPTIM_TEST_DEVICES"].split(",") if d in DEVICES]
 
 
+def pairwise_with(cases, values):
+    """``(*case, value)`` for a matrix too costly to run whole (each GPU build is seconds): every case with the
+    first of ``values``, and each other value with as few cases as let it meet every value of every dimension
+    of the cases (pairwise coverage: each case's kernel is built, each value is tried against each option, not
+    every combination of the two)."""
+    cases = [c if isinstance(c, tuple) else (c,) for c in cases]
+    out = [(*c, values[0]) for c in cases]
+    for value in values[1:]:
+        needed = {(d, x) for c in cases for d, x in enumerate(c)}
+        for c in cases:
+            new = needed & set(enumerate(c))
+            if new:
+                out.append((*c, value))
+                needed -= new
+    return out
+
+
 @pytest.fixture(params=DEVICES)
 def device(request):
     """Each device of ``DEVICES``, for a test that takes ``device`` (the integrations suite)."""

@@ -5,6 +5,7 @@ division and square root, no FMA contraction, 16-bit stores rounded to nearest."
 
 import ast
 import inspect
+import itertools
 import re
 
 import pytest
@@ -12,8 +13,8 @@ import torch
 
 pytest.importorskip("triton")
 
-from conftest import (ELEMENTWISE, ELEMENTWISE_CASES, assert_params_close, assert_state_close, clone_params, make_params,  # noqa: E402
-                      set_grads)
+from conftest import (ELEMENTWISE, ELEMENTWISE_CASES, assert_params_close, assert_state_close, clone_params,  # noqa: E402
+                      make_params, pairwise_with, set_grads)
 from fastoptim.levels import record_paths  # noqa: E402
 from fastoptim.paths import triton_kernels as tk  # noqa: E402
 from fastoptim.registry import OPTIMIZERS  # noqa: E402
@@ -254,8 +255,7 @@ def _assert_16bit_stores_round_to_nearest(ptx: str, dtype: torch.dtype) -> None:
 VECTORS_PER_ARRAY = tk.BLOCK // (32 * tk.NUM_WARPS * 4)
 
 
-@pytest.mark.parametrize("capability", [80, 90])
-@pytest.mark.parametrize("name,index", _group_patterns())
+@pytest.mark.parametrize("name,index,capability", pairwise_with(_group_patterns(), (90, 80)))
 def test_kernel_compiles_for_gpu_with_vector_access(name, index, capability):
     spec = OPTIMIZERS[name]
     rule = spec.cls.rule
@@ -293,9 +293,8 @@ def test_twin_divides_with_div_rn_and_the_rule_keeps_its_operator():
     assert tk.triton_twin(update) is tk.triton_twin(update)  # built once per rule
 
 
-@pytest.mark.parametrize("capability", [80, 90])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("name", ELEMENTWISE)
+@pytest.mark.parametrize("name,dtype,capability", pairwise_with(
+    list(itertools.product(ELEMENTWISE, (torch.bfloat16, torch.float16))), (90, 80)))
 def test_half_precision_kernels_round_to_nearest_with_vector_access(name, dtype, capability):
     """16-bit storage: loaded and widened exactly, computed in fp32 with IEEE division and root, stored
     with ``cvt.rn`` (the interpreter truncates fp32 -> bf16 instead: see test_triton_numerics)."""

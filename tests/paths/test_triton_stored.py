@@ -13,6 +13,7 @@ Two oracles, every step, every test asserting through ``record_paths`` that the 
   from the IEEE values (seen: up to 2.4e-7 on values of size ~1).
 """
 
+import itertools
 import re
 from contextlib import contextmanager
 
@@ -28,7 +29,7 @@ from fastoptim.paths.triton import TRITON_STORED  # noqa: E402
 from fastoptim.storage import quant  # noqa: E402
 from fastoptim.levels import record_paths  # noqa: E402
 from fastoptim.paths import triton_stored as ts  # noqa: E402
-from conftest import ELEMENTWISE, ELEMENTWISE_CASES  # noqa: E402
+from conftest import ELEMENTWISE, ELEMENTWISE_CASES, pairwise_with  # noqa: E402
 from fastoptim.registry import OPTIMIZERS  # noqa: E402
 
 # Kernel tests: the elementwise kernels run a rule's ``update``, which staged rules (Muon, Adafactor) do not have:
@@ -334,9 +335,8 @@ V4_FP32 = PER_THREAD * 4 // 16
 GROUPS = {"sgd": dict(momentum=0.9)}
 
 
-@pytest.mark.parametrize("capability", [80, 90])
-@pytest.mark.parametrize("bits", (16, 8, 4))
-@pytest.mark.parametrize("name", ELEMENTWISE)
+@pytest.mark.parametrize("name,bits,capability", pairwise_with(list(itertools.product(ELEMENTWISE, (16, 8, 4))),
+                                                                (90, 80)))
 def test_kernel_compiles_for_gpu_with_vector_access_to_codes_and_values(name, bits, capability):
     """The whole-rows branch reads and writes p, g and each state with vector accesses (the masked branch
     has scalar ones): fp32 p and g in 128-bit vectors; 8-bit codes one 128-bit vector per thread (16
