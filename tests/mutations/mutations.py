@@ -151,8 +151,9 @@ MUTATIONS = [
                    "if ctx.found_inf is not None and not path.skips_in_kernel(ctx) and _inf_found(ctx):",
                    "if ctx.found_inf is not None and not path.skips_in_kernel(ctx) and _inf_found(ctx) "
                    "and path is not STAGED:")),
-             "a staged (low-bit) bucket steps and stores on a step GradScaler skips",
-             tests("storage/test_low_bit.py", "engine/test_amp_flag.py")),
+             "a staged (low-bit) bucket steps and stores on a step GradScaler skips (after the redesign only "
+             "under in-kernel skipping, CUDA or Triton's interpreter: engine/test_dispatch.py covers it)",
+             tests("storage/test_low_bit.py", "engine/test_amp_flag.py", "engine/test_dispatch.py")),
     Mutation("muon_newton_schulz_b_c_swapped_tall",
              (Site("src/fastoptim/rules/muon.py",
                    "            x = torch.baddbmm(x, x, torch.baddbmm(gram, gram, gram, beta=b, alpha=c), beta=a)\n",
