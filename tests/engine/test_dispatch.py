@@ -57,3 +57,43 @@ def test_routing_off_runs_each_level_on_its_own_path(monkeypatch):
 def test_stored_state_meets_the_cpu_kernel_where_the_fused_level_runs(routing, impl, rounding, expected):
     path = dispatch.stored_path(impl, torch.device("cpu"), rounding)
     assert (path and path.name) == expected
+
+
+def _stored(opt, params) -> list[torch.Tensor]:
+    """Each param and its states' codes and absmax, copied."""
+    out = []
+    for p in params:
+        out.append(p.detach().clone())
+        for value in opt.state[p].values():
+            if isinstance(value, fastoptim.storage.QuantizedState):
+                out += [value.codes.clone(), value.absmax.clone()]
+    return out
+
+
+def test_a_step_the_kernels_skip_stores_nothing_on_the_staged_part(monkeypatch):
+    """GradScaler's found_inf goes into the kernels (Triton's interpreter here): a part of the bucket no kernel
+    takes (fp16 params with 8-bit state) steps staged, which cannot skip by itself, so the dispatcher reads the
+    flag before it; a skipped step leaves that param and its codes as they were, like the kernel's part."""
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from fastoptim.levels import record_paths
+
+    g = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(4, 64, generator=g).half()),
+              torch.nn.Parameter(torch.randn(4, 64, generator=g))]
+    opt = fastoptim.AdamW(params, lr=1e-2, impl="fused", state_bits=8, min_quant_size=0)
+    assert opt._step_supports_amp_scaling  # found_inf reaches the paths: none is read before the step
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=g).to(p.dtype)
+    with record_paths() as paths:
+        opt.step()  # the fp16 param through fp32 temporaries (the plain kernel), the fp32 one stored in its kernel
+    assert paths == ["triton", "triton_stored"], paths
+    before = _stored(opt, params)
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=g).to(p.dtype)
+    opt.grad_scale, opt.found_inf = torch.tensor(1.0), torch.tensor(1.0)
+    opt.step()
+    del opt.grad_scale, opt.found_inf
+    after = _stored(opt, params)
+    assert len(after) == len(before) == 10
+    assert all(torch.equal(a, b) for a, b in zip(before, after))

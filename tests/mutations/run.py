@@ -46,20 +46,41 @@ def first_failure(output: str) -> str:
     return ""
 
 
+def site_in(mutation, tree: str):
+    """The mutation's site whose old text occurs exactly once in ``tree``, and that file's text; else None and
+    why not (no site found, or several: which files, how many times)."""
+    found, seen = [], []
+    for site in mutation.sites:
+        path = os.path.join(tree, site.file)
+        if not os.path.exists(path):
+            seen.append(f"{site.file}: no file")
+            continue
+        with open(path) as f:
+            text = f.read()
+        count = text.count(site.old)
+        seen.append(f"{site.file}: {count}")
+        if count == 1:
+            found.append((site, text))
+        elif count > 1:
+            return None, f"old text found {count} times in {site.file}"
+    if len(found) == 1:
+        return found[0], ""
+    return None, ("no site's old text found once (" if not found else "several sites match (") + "; ".join(seen) + ")"
+
+
 def run_one(mutation, tree: str, tests: list[str], timeout: float, env: dict, select: str = "") -> dict:
-    path = os.path.join(tree, mutation.file)
-    with open(path) as f:
-        original = f.read()
-    count = original.count(mutation.old)
-    if count != 1:
-        return {"name": mutation.name, "result": f"old text found {count} times", "test": "", "seconds": 0.0}
+    match, why = site_in(mutation, tree)
+    if match is None:
+        return {"name": mutation.name, "result": why, "test": "", "seconds": 0.0}
+    site, original = match
+    path = os.path.join(tree, site.file)
     tests = [t for t in tests if os.path.exists(os.path.join(tree, t.split("::")[0]))]
     if not tests:
         return {"name": mutation.name, "result": "no test file here", "test": "", "seconds": 0.0}
     start = time.monotonic()
     try:
         with open(path, "w") as f:
-            f.write(original.replace(mutation.old, mutation.new))
+            f.write(original.replace(site.old, site.new))
         command = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests]
         if select:
             command += ["-k", select]
@@ -81,7 +102,7 @@ def run_one(mutation, tree: str, tests: list[str], timeout: float, env: dict, se
     else:  # 2: interrupted / collection error, 3: internal error, 4: usage, 5: no tests
         result = f"pytest rc {rc}"
     return {"name": mutation.name, "result": result, "test": first_failure(output) if rc else "",
-            "seconds": round(seconds, 1), "tests": tests}
+            "seconds": round(seconds, 1), "tests": tests, "file": site.file}
 
 
 def main(argv=None) -> int:
@@ -101,7 +122,7 @@ def main(argv=None) -> int:
         parser.error(f"unknown mutation names: {sorted(set(args.only) - {m.name for m in chosen})}")
     if args.list:
         for m in chosen:
-            print(f"{m.name:50s} {m.file:40s} {m.what}")
+            print(f"{m.name:50s} {' | '.join(s.file for s in m.sites)}  {m.what}")
         return 0
     with tempfile.TemporaryDirectory(prefix="mutations-") as scratch:
         tree = os.path.join(scratch, "tree")
@@ -116,7 +137,8 @@ def main(argv=None) -> int:
             else:
                 row = run_one(m, tree, args.tests, args.timeout, env)
             rows.append(row)
-            print(f"| {m.name} | {row['result']} | {row['test']} | {row['seconds']} s |", flush=True)
+            print(f"| {m.name} | {row.get('file', '')} | {row['result']} | {row['test']} | {row['seconds']} s |",
+                  flush=True)
     caught = sum(r["result"] == "caught" for r in rows)
     print(f"\ncaught {caught} of {len(rows)}")
     return 0
