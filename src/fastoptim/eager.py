@@ -26,4 +26,8 @@ def eager(fn: Callable | None = None, *, reason: str | None = None) -> Callable:
             disabled = torch.compiler.disable(fn, reason=reason) if reason else torch.compiler.disable(fn)
         return disabled(*args, **kwargs)
 
+    # what ``torch.compiler.disable`` marks its functions with (Dynamo reads these), so a first call under tracing
+    # breaks the graph here with ``reason`` too, instead of tracing ``run`` into the disable call itself
+    run._torchdynamo_disable = True
+    run._torchdynamo_disable_msg = reason
     return run

@@ -158,3 +158,22 @@ def test_the_compiled_level_still_compiles_its_own_kernel_inside_the_graph_break
     assert set(paths) == {"compiled"}
     assert counters["stats"]["unique_graphs"] == 1
     assert torch.equal(params[0], eager_p[0])
+
+
+def test_a_first_call_under_fullgraph_names_the_reason():
+    """``fastoptim.eager`` makes its ``torch.compiler.disable`` at the first call (so importing fastoptim does not
+    import Dynamo); a first call that happens inside a fullgraph=True trace still fails with the reason, and a
+    plain compile runs it eagerly."""
+    from fastoptim.eager import eager
+
+    calls = []
+
+    @eager(reason="the reason users read")
+    def not_traceable(x):
+        calls.append(torch.compiler.is_compiling())
+        return x + 1
+
+    with pytest.raises(Exception, match="the reason users read"):
+        torch.compile(lambda x: not_traceable(x) * 2, fullgraph=True)(torch.ones(2))
+    assert torch.equal(torch.compile(lambda x: not_traceable(x) * 2)(torch.ones(2)), torch.full((2,), 4.0))
+    assert calls == [False]  # run once, eagerly
