@@ -74,7 +74,6 @@ def test_kernels_read_the_system_headers_precompiled(tmp_path, monkeypatch):
     from fastoptim.storage import Format
 
     monkeypatch.setenv("FASTOPTIM_CACHE", str(tmp_path))
-    native.precompiled_flags.cache_clear()
     cxx = native.required_compiler()
     key = (sys.platform, native.target(cxx))
     extra = native.precompiled_flags(cxx, "system.hpp", kernels.CXXFLAGS, key)
@@ -89,3 +88,32 @@ def test_kernels_read_the_system_headers_precompiled(tmp_path, monkeypatch):
     assert shown.returncode == 0, shown.stderr[-2000:]
     assert f"! {extra[1]}.gch" in shown.stderr  # GCC's -H marks a precompiled header it used with "!"
     assert "immintrin.h" not in shown.stderr  # not parsed again
+
+
+@needs_compiler
+def test_a_kernel_builds_after_its_precompiled_header_is_gone_or_damaged(tmp_path, monkeypatch):
+    """The cache folder changed (a test's tmp_path) or emptied while the process runs, or a damaged ``.gch``
+    beside no header: the kernel still builds, and runs (the header is made again, or parsed)."""
+    import shutil
+
+    from fastoptim.paths.cpu_kernel import kernels
+    from fastoptim.rules.sgd import sgd_update
+    from fastoptim.storage import Format
+
+    cxx = native.required_compiler()
+    key = (sys.platform, native.target(cxx))
+    first = tmp_path / "first"
+    monkeypatch.setenv("FASTOPTIM_CACHE", str(first))
+    extra = native.precompiled_flags(cxx, "system.hpp", kernels.CXXFLAGS, key)
+    shutil.rmtree(first)
+    monkeypatch.setenv("FASTOPTIM_CACHE", str(tmp_path / "second"))
+    source = kernels.kernel_source(sgd_update, (False, False, True, False), (Format(16),), 5)
+    assert native.load("kernel", source, kernels.CXXFLAGS, key=key, precompiled="system.hpp").fo_simd_width() >= 0
+    if extra:  # GCC: the second folder has its own precompiled header, and a damaged one is not fatal
+        again = native.precompiled_flags(cxx, "system.hpp", kernels.CXXFLAGS, key)
+        assert again[1].startswith(str(tmp_path / "second")) and os.path.exists(again[1] + ".gch")
+        with open(again[1] + ".gch", "wb") as f:
+            f.write(b"not a precompiled header")
+        os.remove(again[1])
+        other = kernels.kernel_source(sgd_update, (True, False, True, False), (Format(16),), 5)
+        assert native.load("kernel", other, kernels.CXXFLAGS, key=key, precompiled="system.hpp").fo_simd_width() >= 0

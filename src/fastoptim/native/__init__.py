@@ -196,20 +196,27 @@ def load_built(load: Callable, cxx: str, source: str, path: str, flags: Sequence
     raise AssertionError("unreachable")
 
 
-@lru_cache(maxsize=None)
+_PCH_FAILED: set = set()  # (compiler, header, flags, key, cache folder) whose precompiled header did not build
+
+
 def precompiled_flags(cxx: str, header: str, flags: tuple, key: tuple) -> tuple:
     """The flags that make a build with ``flags`` read the shipped ``header`` precompiled: ``-include`` of its copy
     in the cache, beside the ``.gch`` built from it once (under the lock, written atomically). GCC only, and only
-    where that build succeeds: else () and each build parses the header itself, with the same result."""
+    where that build succeeds: else () and each build parses the header itself, with the same result. Both files
+    are looked for on every call (the cache folder may change or be emptied while a process runs)."""
     if "__clang__" in target(cxx):  # (clang reads another PCH format)
         return ()
     flags = tuple(f for f in flags if f != "-shared")
     text = read(header)
     digest = hashlib.sha256("\0".join((text, cxx, *flags, *key)).encode()).hexdigest()[:24]
     path = os.path.join(cache_dir(), f"{os.path.splitext(header)[0]}_{digest}.hpp")
+    if (cxx, header, flags, key, cache_dir()) in _PCH_FAILED:
+        return ()
+    if os.path.exists(path) and os.path.exists(path + ".gch"):
+        return ("-include", path)
     try:
         with _locked(path + ".gch"):
-            if not os.path.exists(path + ".gch"):
+            if not (os.path.exists(path) and os.path.exists(path + ".gch")):
                 with tempfile.TemporaryDirectory(dir=cache_dir()) as work:
                     copy = os.path.join(work, "header.hpp")
                     with open(copy, "w") as f:
@@ -219,9 +226,10 @@ def precompiled_flags(cxx: str, header: str, flags: tuple, key: tuple) -> tuple:
                     done = subprocess.run([cxx, *flags, "-x", "c++-header", path, "-o", out], capture_output=True,
                                           timeout=BUILD_TIMEOUT_S)
                     if done.returncode != 0:
-                        return ()
+                        raise OSError(done.stderr[-500:])
                     os.replace(out, path + ".gch")
     except (OSError, subprocess.SubprocessError):
+        _PCH_FAILED.add((cxx, header, flags, key, cache_dir()))
         return ()
     return ("-include", path)
 
@@ -234,6 +242,11 @@ def load(stem: str, source: str, flags: Sequence[str], libraries: Sequence[str] 
     cxx = cxx or required_compiler()
     digest = hashlib.sha256("\0".join((source, cxx, *flags, *libraries, *key)).encode()).hexdigest()[:24]
     path = os.path.join(cache_dir(), f"{stem}_{digest}{suffix}")
-    if precompiled and not os.path.exists(path):
-        flags = (*precompiled_flags(cxx, precompiled, tuple(flags), tuple(key)), *flags)
+    fast = precompiled_flags(cxx, precompiled, tuple(flags), tuple(key)) if precompiled and not os.path.exists(path) \
+        else ()
+    if fast:
+        try:
+            return load_built(loader, cxx, source, path, (*fast, *flags), libraries)
+        except KernelUnavailable:  # the precompiled header went bad (or the source does not build: said below)
+            pass
     return load_built(loader, cxx, source, path, flags, libraries)
