@@ -142,6 +142,15 @@ def pack_scalars(scalars: tuple, device: torch.device, dtype: torch.dtype = torc
     return torch.stack([torch.as_tensor(s, dtype=dtype, device=device).reshape(()) for s in scalars])
 
 
+def compiled_scalars(scalars: tuple, device: torch.device, param_dtype: torch.dtype) -> Tensor:
+    """The scalars tensor a compiled function takes: float64 for float64 params, else float32. Its length is
+    static: dynamic, it would be "duck-sized" as one with a param's size of the same value, and unbinding it
+    would then make that size static (a param of that size, a graph of its own)."""
+    packed = pack_scalars(scalars, device, torch.float64 if param_dtype == torch.float64 else torch.float32)
+    torch._dynamo.mark_static(packed, 0)
+    return packed
+
+
 @lru_cache(maxsize=None)
 def triton_available() -> bool:
     try:

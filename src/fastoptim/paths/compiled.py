@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from . import loop
-from .base import Bucket, Path, StepContext, pack_scalars, scaled_grads
+from .base import Bucket, Path, StepContext, compiled_scalars, scaled_grads
 
 # Buckets of tensors this small on average are not compiled (the dispatcher routes them): one compiled call per
 # tensor costs more than it saves, and every new shape class compiles anew. Flat buffers are one large tensor.
@@ -87,11 +87,7 @@ class Compiled(Path):
         grad_mul, scalars, flags = ctx.grad_mul, ctx.scalars, ctx.flags
         dtype = part.params[0].dtype
         fn = compiled_step(ctx.rule.update, tuple(flags), dtype)
-        scalars_t = pack_scalars((*scalars, 1.0 if grad_mul is None else grad_mul), part.device,
-                                 torch.float64 if dtype == torch.float64 else torch.float32)
-        # its length is fixed: dynamic, it would be "duck-sized" as one with a param's size of the same value, and
-        # unbinding it would then make that size static (a param of that size, a graph of its own)
-        torch._dynamo.mark_static(scalars_t, 0)
+        scalars_t = compiled_scalars((*scalars, 1.0 if grad_mul is None else grad_mul), part.device, dtype)
         grads = part.grads
         strided = []  # non-contiguous tensors: each layout would be a recompile; they run eagerly instead
         singles = {}  # contiguous 1-element tensors by their tensors' dtypes: one packed call per kind (a size of 1

@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from . import sharded
-from .base import Bucket, Path, StepContext, pack_scalars, took
+from .base import Bucket, Path, StepContext, compiled_scalars, took
 
 
 class StageRule:
@@ -136,9 +136,7 @@ def _per_tensor(impl: str, stage, tensors: dict, stacked: dict, scalars: tuple, 
         # compile a graph of its own, to save nothing
         compiled = impl == "compiled" and tensors["param"][members[0]].numel() > 1
         if compiled:
-            scalars_t = pack_scalars(scalars, tensors["param"][members[0]].device,
-                                     torch.float64 if batch[0].dtype == torch.float64 else torch.float32)
-            torch._dynamo.mark_static(scalars_t, 0)  # (as the compiled level's: a dim of its size stays dynamic)
+            scalars_t = compiled_scalars(scalars, tensors["param"][members[0]].device, batch[0].dtype)
             out = fn(_canonical(batch, stage.flat), scalars_t)
             out = [None if new is None or tensors[name] is None else new.reshape(
                 (len(members), *tensors[name][members[0]].shape)) for name, new in zip(stage.writes, out)]
