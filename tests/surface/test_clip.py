@@ -5,7 +5,8 @@ import torch
 
 import fastoptim
 from conftest import NAME_FLAT, assert_params_close, clone_params, make_params, set_grads
-from fastoptim.levels import LEVELS
+from fastoptim.levels import IMPLS, LEVELS, record_paths
+from fastoptim.paths.torch_fused import TorchFused
 from fastoptim.registry import OPTIMIZERS
 from fastoptim.reference import reference_class, reference_kwargs
 
@@ -61,6 +62,58 @@ def test_max_grad_norm_in_step_matches_clip_then_step(name, level, flat):
         torch.testing.assert_close(ours.last_grad_norm, norm, rtol=1e-6, atol=0)
         assert_params_close(ours_p, ref_p)
     assert clipped  # the clip really bit
+
+
+def _cpu_path(rule, impl: str, routing: bool, dtype: torch.dtype) -> str:
+    """The path a CPU bucket of small tensors runs on at ``impl`` (``engine.dispatch.plain_route``)."""
+    if impl == "loop":
+        return "loop"
+    if impl in ("foreach", "compiled") and not routing:
+        return impl
+    return "torch_fused" if TorchFused.declared(rule, dtype) else "foreach"
+
+
+@pytest.mark.parametrize("routing", [False, True], ids=["own_paths", "routed"])
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("name", ["adamw", "adam", "sgd", "lion", "adagrad", "rmsprop"])
+@pytest.mark.parametrize("dtypes", [(torch.float64,) * 3, (torch.float32, torch.float64, torch.float32)],
+                         ids=["fp64", "fp32+fp64"])
+def test_max_grad_norm_on_fp64_grads_matches_clip_then_step(monkeypatch, dtypes, name, impl, routing):
+    """An fp64 grad makes the clip factor fp64 (torch's norm is taken in the grads' dtypes, stacked): each bucket
+    steps with it in its own dtype, as ``clip_grad_norm_``'s ``_foreach_mul_`` casts it, torch's fused kernels
+    included (they read the scale as fp32: an fp64 bucket's grads are scaled in fp64 first). fp64 params match
+    to a few ulps; ``routed``: the paths users get (the foreach and compiled levels on the fused level's)."""
+    from fastoptim.engine import dispatch
+
+    monkeypatch.setattr(dispatch, "ROUTING", routing)
+    spec = OPTIMIZERS[name]
+    opts = spec.option_sets[1]  # (SGD: with momentum)
+    g = torch.Generator().manual_seed(0)
+    ours_p = [torch.nn.Parameter(torch.randn(shape, generator=g, dtype=dtype))
+              for shape, dtype in zip([(6, 5), (7,), (3, 2)], dtypes)]
+    ref_p = clone_params(ours_p)
+    ours = spec.cls(ours_p, impl=impl, max_grad_norm=0.5, **opts)
+    ref = reference_class(spec)(ref_p, **opts, **reference_kwargs(spec))
+    expected = {_cpu_path(spec.cls.rule, impl, routing, dtype) for dtype in dtypes}
+    for _ in range(4):
+        for a, b in zip(ours_p, ref_p):
+            a.grad = 3 * torch.randn(a.shape, generator=g, dtype=a.dtype)
+            b.grad = a.grad.clone()
+        norm = torch.nn.utils.clip_grad_norm_(ref_p, 0.5)
+        with record_paths() as paths:
+            ours.step()
+        ref.step()
+        assert set(paths) == expected, paths
+        torch.testing.assert_close(ours.last_grad_norm, norm, rtol=1e-12 if norm.dtype == torch.float64 else 1e-6,
+                                   atol=0)
+        for i, (a, b) in enumerate(zip(ours_p, ref_p)):
+            tight = a.dtype == torch.float64
+            torch.testing.assert_close(a, b, atol=1e-13 if tight else 1e-6, rtol=1e-12 if tight else 1e-5,
+                                       msg=lambda m: f"param {i} ({a.dtype}): {m}")
+            for key, value in ref.state[b].items():
+                if key != "step" and isinstance(value, torch.Tensor):
+                    torch.testing.assert_close(ours.state[a][key], value, atol=1e-13 if tight else 1e-6,
+                                               rtol=1e-12 if tight else 1e-5, msg=lambda m: f"{key} {i}: {m}")
 
 
 @pytest.mark.parametrize("level", LEVELS)

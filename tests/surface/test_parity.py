@@ -13,7 +13,8 @@ import torch
 
 from conftest import (CASES, DEVICES, ELEMENTWISE, FLAT, MATRIX, assert_params_close, assert_state_close, clone_params,
                       make_params, param_atol, set_grads, shape_for, two_groups)
-from fastoptim.levels import LEVELS, uses_triton
+from fastoptim.levels import IMPLS, LEVELS, record_paths, uses_triton
+from fastoptim.paths.torch_fused import TorchFused
 from fastoptim.registry import OPTIMIZERS
 from fastoptim.reference import ReferenceLion, reference_class, reference_kwargs
 
@@ -414,6 +415,39 @@ def test_complex_params_match_torch(name, level, device):
         ours.step()
         ref.step()
         torch.testing.assert_close(ours_p[0], ref_p[0], atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("name", ["sgd", "adam", "adamw", "rmsprop", "adagrad"])
+def test_group_mixing_real_and_complex_params_matches_torch(name, impl):
+    """One group of fp32 and complex64 params (a real one first): torch.optim steps the complex one as its
+    ``view_as_real`` pair. A complex param's real view is fp32 too, but it steps in a bucket of its own (its grad
+    needs the same view), so each level runs its path once per bucket."""
+    spec = OPTIMIZERS[name]
+    opts = spec.option_sets[1]  # (SGD: with momentum)
+    g = torch.Generator().manual_seed(3)
+    dtypes = (torch.float32, torch.complex64, torch.float32)
+    ours_p = [torch.nn.Parameter(torch.randn(shape, dtype=dtype, generator=g))
+              for shape, dtype in zip([(4, 3), (5,), (2, 3)], dtypes)]
+    ref_p = clone_params(ours_p)
+    ours = spec.cls(ours_p, impl=impl, **opts)
+    ref = reference_class(spec)(ref_p, **opts, **reference_kwargs(spec))
+    rule = spec.cls.rule
+    path = ("loop" if impl == "loop" else impl if impl in ("foreach", "compiled")  # (tests: each level its own path)
+            else "torch_fused" if TorchFused.declared(rule, torch.float32) else "foreach")
+    for _ in range(5):
+        for a, b in zip(ours_p, ref_p):
+            a.grad = torch.randn(a.shape, dtype=a.dtype, generator=g)
+            b.grad = a.grad.clone()
+        with record_paths() as paths:
+            ours.step()
+        ref.step()
+        assert paths == [path, path]
+        assert_params_close(ours_p, ref_p)
+        for a, b in zip(ours_p, ref_p):
+            for key, value in ref.state[b].items():
+                if key != "step" and isinstance(value, torch.Tensor):
+                    assert_state_close(ours.state[a][key], value, msg=f"state {key!r}")
 
 
 def test_lion_reference_is_not_trivially_equal():

@@ -5,7 +5,8 @@ the device, the dtype, the tensors' sizes and each state's format, and runs it: 
 declares it can (``Path.takes``), and the part it leaves runs on the next path of the chain. The dispatcher alone
   * reads GradScaler's found_inf on the host, for a step no kernel can skip by itself and before any path that
     cannot skip in its kernel, and takes back a step the kernels skipped (``StepAmp``, ``resolve_skips``);
-  * hands a path the grad multiplier, or grads already scaled (``Path.takes_grad_mul``);
+  * hands a path the grad multiplier, in the dtype the bucket steps in, or grads already scaled
+    (``Path.takes_grad_mul_of``);
   * counts a step as an in-place write to each param a path writes behind autograd's back, and to the params
     the user holds where the plan stepped views of them (flat buffers, shards, real views);
   * reports what ran (``record_paths``).
@@ -232,7 +233,7 @@ def _inf_found(ctx: StepContext) -> bool:
 
 
 def _run(path: Path, part: Bucket, ctx: StepContext) -> list[int] | None:
-    if ctx.grad_mul is not None and not path.takes_grad_mul:
+    if ctx.grad_mul is not None and not path.takes_grad_mul_of(ctx):
         part = Bucket(part.params, scaled_grads(part.grads, ctx.grad_mul), part.states, part.cache, part.sharded,
                       part.pools)
         ctx = ctx.but(grad_mul=None)
@@ -278,8 +279,10 @@ def run_plan(impl: str, rule, step_plan: Plan, group: dict, grads: list[Tensor] 
         if bucket.staged is None:  # plain formats are checked to be the param's dtype: never staged
             bucket.staged = rounded or bits != 32 and storage.needs_staging(bucket.params, bucket.states)
         grad_mul = step_amp.grad_mul
-        if bucket.staged and grad_mul is not None:  # fp32 temporaries step with an fp32 factor (the same value)
-            grad_mul = grad_mul.float()
+        if grad_mul is not None:  # in the dtype the bucket's math runs in: fp64 (its own or a complex128's real
+            # view), else fp32 (16-bit params, fp32 temporaries), as torch's foreach_mul_ casts a 0-d factor;
+            # max_grad_norm's factor is fp64 wherever some grad is
+            grad_mul = grad_mul.to(torch.float64 if dtype == torch.float64 else torch.float32)
         ctx = StepContext(impl, rule, group, bucket.step, rule.scalars(group, bucket.step, *bucket.host_before),
                           rule.bucket_flags(flags, dtype), grad_mul, step_amp.found_inf,
                           rounding if rounded else "nearest", run_plain=run_plain)

@@ -348,7 +348,9 @@ def build(rule, group: dict, params: list[Tensor], state_map: StateMap, state_fo
         if convert:  # views made anew every step: such a group is planned afresh every step
             plan.reusable = False
             p, tensors = _local_real(p), [_local_real(t) for t in tensors]
-        key = (p.device, p.dtype, count, host, held)
+        # (a complex param's real view has a real dtype: ``convert`` keeps it apart from real params of that dtype,
+        # as its grad needs the same view and a plain param's must stay as it is)
+        key = (p.device, p.dtype, count, host, held, convert)
         bucket = buckets.get(key)
         if bucket is None:
             bucket = buckets[key] = PlanBucket(key[:2], count, [], [[] if on else None for on in held], [], [],

@@ -93,6 +93,11 @@ class Path:
         """Whether it reads ``ctx.found_inf`` on the device (else the dispatcher reads it on the host first)."""
         return False
 
+    def takes_grad_mul_of(self, ctx: StepContext) -> bool:
+        """Whether it multiplies grads by ``ctx.grad_mul`` itself, in that dtype (else the dispatcher hands it
+        grads already scaled, and no multiplier)."""
+        return self.takes_grad_mul
+
     def takes(self, bucket: Bucket, ctx: StepContext) -> list[int] | None:
         """The indices of the params it runs; None: all of them."""
         return None

@@ -20,6 +20,11 @@ class TorchFused(Path):
     takes_grad_mul = True
     counted = False
 
+    def takes_grad_mul_of(self, ctx: StepContext) -> bool:
+        # its kernels read the scale as fp32: an fp64 bucket's grads are scaled in fp64 first (the reciprocal of an
+        # fp64 clip factor rounded to fp32 would move fp64 params off torch.optim's clip-then-step)
+        return ctx.grad_mul.dtype == torch.float32
+
     @staticmethod
     def declared(rule, dtype: torch.dtype) -> bool:
         return rule.torch_fused is not None and dtype in TORCH_FUSED_DTYPES
