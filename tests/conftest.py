@@ -157,6 +157,13 @@ def set_grads(step, param_sets, seed=1, none_every=3):
             p.grad = None if grad is None else grad.to(device=p.device, dtype=p.dtype, copy=True)
 
 
+def same_random_grads(ours, theirs, g, scale=1.0):
+    """One fresh random grad per param (from generator ``g``, times ``scale``), the same on both param lists."""
+    for a, b in zip(ours, theirs, strict=True):
+        a.grad = torch.randn(a.shape, generator=g) * scale  # (times 1.0: the same bits)
+        b.grad = a.grad.clone()
+
+
 @pytest.fixture(autouse=True)
 def _levels_run_their_own_paths(monkeypatch):
     """For speed, the compiled level runs buckets of small tensors on the fused level's path, and the

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 import fastoptim
-from conftest import NAME_FLAT, assert_params_close, clone_params, make_params, set_grads, shape_for, shapes_for
+from conftest import (NAME_FLAT, assert_params_close, clone_params, make_params, same_random_grads, set_grads, shape_for,
+                      shapes_for)
 from fastoptim.levels import LEVELS
 from fastoptim.registry import OPTIMIZERS
 from fastoptim.rules.base import Elementwise, PerTensor
@@ -195,9 +196,7 @@ def test_compiled_level_routes_small_buckets_to_the_fused_path_and_says_so(monke
     base = OPTIMIZERS[name].cls(base_p, impl="loop", lr=1e-2)
     ours = OPTIMIZERS[name].cls(ours_p, impl="compiled", lr=1e-2)
     for step in range(1, 3):
-        for a, b in zip(base_p, ours_p):
-            a.grad = torch.randn(a.shape, generator=g)
-            b.grad = a.grad.clone()
+        same_random_grads(base_p, ours_p, g)
         base.step()
         with warnings.catch_warnings(record=True) as caught, record_paths() as paths:
             warnings.simplefilter("always")
@@ -276,9 +275,7 @@ def test_foreach_gathers_blocks_of_small_tensors_with_the_loop_levels_numbers(na
     base = spec.cls(base_p, impl="loop", **opts)
     ours = spec.cls(ours_p, impl="foreach", **opts)
     for _ in range(3):
-        for a, b in zip(base_p, ours_p):
-            a.grad = torch.randn(a.shape, generator=g)
-            b.grad = a.grad.clone()
+        same_random_grads(base_p, ours_p, g)
         base.step()
         ours.step()
     assert calls and max(calls) >= foreach.GATHER_MIN_TENSORS

@@ -277,3 +277,23 @@ def test_layouts_change_with_where_and_how_each_tensor_lies(check):
 def _relay(p):
     with torch.no_grad():
         p.t_()
+
+
+def test_kinds_change_with_a_tensors_dtype_or_contiguity(check):
+    """What the CPU kernel's tables are checked against each step: a grad of another dtype, or a non-contiguous
+    one, must read as a change (else the kernel would read it as the contiguous fp32 grad it was built for)."""
+    grads = [torch.zeros(4, 6) for _ in range(40)]
+    before = bulk.kinds(grads)
+    assert bulk.kinds([g.clone() for g in grads]) == before  # new tensors, the same kinds
+    changes = {
+        "another dtype": lambda g: g.double(),
+        "transposed": lambda g: g.t(),
+        "a strided slice": lambda g: g[:, ::2],
+        "bf16": lambda g: g.bfloat16(),
+    }
+    for name, change in changes.items():
+        fresh = list(grads)
+        fresh[37] = change(fresh[37])
+        assert bulk.kinds(fresh) != before, name
+    assert bulk.kinds([grads[0].t().contiguous()]) == bulk.kinds([torch.zeros(6, 4)])  # contiguity, not shape
+    assert bulk.kinds([torch.zeros(1, 6)[:, :3]]) == bulk.kinds([torch.zeros(3)])  # contiguous as torch says

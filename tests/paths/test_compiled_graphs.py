@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import fastoptim
-from conftest import make_params, set_grads, two_groups
+from conftest import make_params, same_random_grads, set_grads, two_groups
 from fastoptim.engine import dispatch
 from fastoptim.levels import record_paths
 from fastoptim.registry import OPTIMIZERS
@@ -59,9 +59,7 @@ def test_one_element_params_step_packed_in_the_graph_of_larger_ones(monkeypatch)
         ref = torch.optim.Adam(theirs, lr=0.1, weight_decay=0.1, foreach=False)
         with record_paths() as paths:
             for step in range(3):
-                for a, b in zip(ours, theirs):
-                    a.grad = torch.randn(a.shape, generator=g)
-                    b.grad = a.grad.clone()
+                same_random_grads(ours, theirs, g)
                 opt.step()
                 ref.step()
         assert paths == ["compiled"] * 3
@@ -114,9 +112,7 @@ def test_a_param_as_long_as_the_scalars_shares_the_graph_of_others(monkeypatch):
     before = _unique_graphs()
     with record_paths() as paths:
         for step in range(2):
-            for a, b in zip(ours, theirs):
-                a.grad = torch.randn(a.shape, generator=g)
-                b.grad = a.grad.clone()
+            same_random_grads(ours, theirs, g)
             opt.step()
             ref.step()
     assert paths == ["compiled"] * 2

@@ -21,7 +21,7 @@ from fastoptim import native, storage
 from fastoptim.paths import cpu_kernel as kernel_path
 from fastoptim.levels import record_paths
 from fastoptim.paths.cpu_kernel import kernels as cpu_kernels
-from conftest import ELEMENTWISE_CASES  # noqa: E402
+from conftest import ELEMENTWISE_CASES, same_random_grads  # noqa: E402
 from fastoptim.registry import OPTIMIZERS
 
 # Kernel tests: the elementwise kernels run a rule's ``update``, which staged rules (Muon, Adafactor) do not have:
@@ -206,9 +206,7 @@ def test_params_the_kernel_does_not_take_run_staged_beside_it():
     opt = fastoptim.AdamW(params, impl="fused", state_bits=8, min_quant_size=0)
     ref = fastoptim.AdamW(twin, impl="loop", state_bits=8, min_quant_size=0)
     for _ in range(3):
-        for a, b in zip(params, twin):
-            a.grad = torch.randn(a.shape, generator=g)
-            b.grad = a.grad.clone()
+        same_random_grads(params, twin, g)
         with record_paths() as paths:
             opt.step()
         ref.step()

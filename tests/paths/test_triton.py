@@ -14,7 +14,7 @@ import torch
 pytest.importorskip("triton")
 
 from conftest import (ELEMENTWISE, ELEMENTWISE_CASES, assert_params_close, assert_state_close, clone_params,  # noqa: E402
-                      make_params, pairwise_with, set_grads)
+                      make_params, pairwise_with, same_random_grads, set_grads)
 from fastoptim.levels import record_paths  # noqa: E402
 from fastoptim.paths import triton_kernels as tk  # noqa: E402
 from fastoptim.registry import OPTIMIZERS  # noqa: E402
@@ -78,9 +78,7 @@ def test_thousands_of_tensors_in_one_launch(interpret):
     base = OPTIMIZERS["adamw"].cls(base_p, impl="loop", lr=1e-2, amsgrad=True)
     ours = OPTIMIZERS["adamw"].cls(ours_p, impl="fused", lr=1e-2, amsgrad=True)
     for step in range(1, 3):
-        for a, b in zip(base_p, ours_p):
-            a.grad = torch.randn(a.shape, generator=g)
-            b.grad = a.grad.clone()
+        same_random_grads(base_p, ours_p, g)
         base.step()
         with record_paths() as paths:
             ours.step()

@@ -29,7 +29,7 @@ from fastoptim.paths.triton import TRITON_STORED  # noqa: E402
 from fastoptim.storage import quant  # noqa: E402
 from fastoptim.levels import record_paths  # noqa: E402
 from fastoptim.paths import triton_stored as ts  # noqa: E402
-from conftest import ELEMENTWISE, ELEMENTWISE_CASES, pairwise_with  # noqa: E402
+from conftest import ELEMENTWISE, ELEMENTWISE_CASES, pairwise_with, same_random_grads  # noqa: E402
 from fastoptim.registry import OPTIMIZERS  # noqa: E402
 
 # Kernel tests: the elementwise kernels run a rule's ``update``, which staged rules (Muon, Adafactor) do not have:
@@ -128,9 +128,7 @@ def test_kernel_stores_the_ieee_oracles_bytes_and_matches_the_staged_loop_level(
     if ours is None:
         return
     for step in range(1, 4):
-        for a, b in zip(ours_p, base_p):
-            a.grad = torch.randn(a.shape, generator=g)
-            b.grad = a.grad.clone()
+        same_random_grads(ours_p, base_p, g)
         want = _oracle(ours, ours_p, step) if step > 1 else None  # from step 2 on: states hold real values
         with record_paths() as paths:
             ours.step()
@@ -166,9 +164,7 @@ def test_both_branches_ran_whole_aligned_rows_and_ragged_or_misaligned_ones(inte
     base = fastoptim.AdamW(base_p, impl="loop", state_bits=bits, min_quant_size=0)
     g = torch.Generator().manual_seed(7)
     for step in range(1, 3):
-        for a, b in zip(params, base_p):
-            a.grad = torch.randn(a.shape, generator=g)
-            b.grad = a.grad.clone()
+        same_random_grads(params, base_p, g)
         with record_paths() as paths:
             ours.step()
         base.step()
@@ -190,9 +186,7 @@ def test_plain_state_params_run_staged_beside_the_kernel(interpret, bits):
     ours = fastoptim.Adam(params, impl="fused", state_bits=bits, min_quant_size=0, weight_decay=0.1)
     base = fastoptim.Adam(base_p, impl="loop", state_bits=bits, min_quant_size=0, weight_decay=0.1)
     for step in range(1, 4):
-        for a, b in zip(params, base_p):
-            a.grad = torch.randn(a.shape, generator=g)
-            b.grad = a.grad.clone()
+        same_random_grads(params, base_p, g)
         with record_paths() as paths:
             ours.step()
         base.step()
@@ -260,9 +254,7 @@ def test_clip_factor_multiplies_the_grads_in_the_kernel(interpret, bits):
     ours = fastoptim.AdamW(ours_p, impl="fused", state_bits=bits, min_quant_size=0, max_grad_norm=0.5)
     base = fastoptim.AdamW(base_p, impl="loop", state_bits=bits, min_quant_size=0, max_grad_norm=0.5)
     for step in range(1, 4):
-        for a, b in zip(ours_p, base_p):
-            a.grad = torch.randn(a.shape, generator=g) * 3
-            b.grad = a.grad.clone()
+        same_random_grads(ours_p, base_p, g, scale=3)
         with record_paths() as paths:
             ours.step()
         base.step()
@@ -277,9 +269,7 @@ def test_thirty_tensors_of_three_shapes_in_one_launch(interpret):
     ours = fastoptim.Lion(params, impl="fused", state_bits=4, min_quant_size=0, lr=1e-2)
     base = fastoptim.Lion(base_p, impl="loop", state_bits=4, min_quant_size=0, lr=1e-2)
     for step in range(1, 3):
-        for a, b in zip(params, base_p):
-            a.grad = torch.randn(a.shape, generator=g)
-            b.grad = a.grad.clone()
+        same_random_grads(params, base_p, g)
         with record_paths() as paths:
             ours.step()
         base.step()
@@ -629,9 +619,7 @@ def test_tensors_spanning_several_programs_split_mid_row(interpret, bits):
     ours = fastoptim.AdamW(params, impl="fused", state_bits=bits, min_quant_size=0)
     base = fastoptim.AdamW(base_p, impl="loop", state_bits=bits, min_quant_size=0)
     for step in range(1, 3):
-        for a, b in zip(params, base_p):
-            a.grad = torch.randn(a.shape, generator=g)
-            b.grad = a.grad.clone()
+        same_random_grads(params, base_p, g)
         with record_paths() as paths:
             ours.step()
         base.step()

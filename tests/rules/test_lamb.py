@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import fastoptim
+from conftest import same_random_grads
 from fastoptim.levels import LEVELS, record_paths
 from fastoptim.reference import ReferenceLAMB
 
@@ -55,9 +56,7 @@ def test_max_trust_ratio_clamps_the_ratio_as_the_reference_does(level):
     opts = dict(lr=1e-2, weight_decay=0.05, max_trust_ratio=1.0)
     opt, ref = fastoptim.LAMB(params, impl=level, **opts), ReferenceLAMB(ref_p, **opts)
     for _ in range(10):
-        for p, q in zip(params, ref_p):
-            p.grad = torch.randn(p.shape, generator=g)
-            q.grad = p.grad.clone()
+        same_random_grads(params, ref_p, g)
         opt.step()
         ref.step()
     for p, q in zip(params, ref_p):
@@ -84,9 +83,7 @@ def test_matches_bitsandbytes_where_the_two_coincide(level):
     theirs = LAMB(theirs_p, lr=1e-2, betas=(0.0, 0.0), eps=1e-8, max_unorm=1.0)
     worst = 0.0
     for _ in range(20):
-        for p, q in zip(params, theirs_p):
-            p.grad = torch.randn(p.shape, generator=g)
-            q.grad = p.grad.clone()
+        same_random_grads(params, theirs_p, g)
         ours.step()
         theirs.step()
         for p, q in zip(params, theirs_p):
@@ -104,9 +101,7 @@ def test_bitsandbytes_lamb_is_another_rule_with_adams_betas():
     params, g = _params(3, scales=(1.0, 1.0, 1.0))
     theirs_p = [torch.nn.Parameter(p.detach().clone()) for p in params]
     ours, theirs = fastoptim.LAMB(params, lr=1e-2, max_trust_ratio=1.0), LAMB(theirs_p, lr=1e-2)
-    for p, q in zip(params, theirs_p):
-        p.grad = torch.randn(p.shape, generator=g)
-        q.grad = p.grad.clone()
+    same_random_grads(params, theirs_p, g)
     ours.step()
     theirs.step()
     assert max((p - q).abs().max().item() for p, q in zip(params, theirs_p)) > 1e-4

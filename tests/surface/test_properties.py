@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import CASES, assert_params_close, shapes_for
+from conftest import CASES, assert_params_close, same_random_grads, shapes_for
 from fastoptim.registry import OPTIMIZERS
 
 shapes = st.lists(st.lists(st.integers(0, 9), min_size=0, max_size=3).map(tuple), min_size=1, max_size=6)
@@ -27,9 +27,7 @@ def test_levels_agree_on_random_params(shapes, case, level, lr_scale, steps, see
     base = spec.cls(base_p, impl="loop", **opts)
     other = spec.cls(other_p, impl=level, **opts)
     for _ in range(steps):
-        for a, b in zip(base_p, other_p):
-            a.grad = torch.randn(a.shape, generator=g)
-            b.grad = a.grad.clone()
+        same_random_grads(base_p, other_p, g)
         base.step()
         other.step()
     assert_params_close(base_p, other_p)

@@ -174,6 +174,25 @@ static PyObject* layouts(PyObject*, PyObject* args) {
     }
 }
 
+// kinds(tensors): two bytes a tensor, its dtype (c10::ScalarType) and whether it is contiguous; equal results: every
+// tensor is of the dtype and contiguity it was
+static PyObject* kinds(PyObject*, PyObject* seq) {
+    if (!sequence(seq, "kinds") || !all_tensors(seq, "kinds")) return nullptr;
+    try {
+        const std::vector<c10::TensorImpl*> x = impls(seq);
+        std::vector<char> out(2 * x.size());
+        for (size_t i = 0; i < x.size(); ++i) {
+            if (i + AHEAD < x.size()) prefetch(x[i + AHEAD], 4);
+            out[2 * i] = static_cast<char>(c10::typeMetaToScalarType(x[i]->dtype()));
+            out[2 * i + 1] = x[i]->is_contiguous() ? 1 : 0;
+        }
+        return PyBytes_FromStringAndSize(out.data(), out.size());
+    } catch (const std::exception& e) {
+        PyErr_SetString(PyExc_RuntimeError, e.what());
+        return nullptr;
+    }
+}
+
 // with_grads(params, parameter_type): ([p for p in params if p.grad is not None], [their grads], whether every
 // such grad is strided and of its param's dtype); None where an item is not exactly a Tensor or a
 // parameter_type (a subclass may answer .grad by itself)
@@ -212,6 +231,7 @@ static PyObject* with_grads(PyObject*, PyObject* args) {
 static PyMethodDef methods[] = {{"all_set_to", all_set_to, METH_VARARGS, nullptr},
                                 {"with_grads", with_grads, METH_VARARGS, nullptr},
                                 {"layouts", layouts, METH_VARARGS, nullptr},
+                                {"kinds", kinds, METH_O, nullptr},
                                 {"bump_versions", bump_versions, METH_O, nullptr},
                                 {"set_each", set_each, METH_VARARGS, nullptr},
                                 {nullptr, nullptr, 0, nullptr}};

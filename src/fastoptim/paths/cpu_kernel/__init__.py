@@ -6,17 +6,15 @@ as the codec lays them out); the dispatcher runs the rest staged, as on every ot
 
 from __future__ import annotations
 
-import operator
 import warnings
 
 import torch
-from torch import Tensor
 
 from . import kernels as cpu_kernels
+from ... import bulk
 from ..base import Bucket, GradViews, Path, StepContext, caller_stacklevel, pack_scalars, subset, took
 
 _kernel_warned: set = set()
-_dtype = operator.attrgetter("dtype")
 
 
 def _warn_staged(why: str) -> None:
@@ -24,10 +22,6 @@ def _warn_staged(why: str) -> None:
         _kernel_warned.add(why)
         warnings.warn(f"fastoptim: 16/8/4-bit state runs staged on the CPU (slower, the same math): {why}",
                       RuntimeWarning, stacklevel=caller_stacklevel())
-
-
-def _grads_seen(grads: list[Tensor]) -> list[tuple]:
-    return list(zip(map(_dtype, grads), map(Tensor.is_contiguous, grads)))
 
 
 class CpuKernel(Path):
@@ -50,7 +44,7 @@ class CpuKernel(Path):
             return []
         seen = bucket.cache.get("cpu_kernel_takes")
         same_grads = seen is not None and seen[2] is bucket.grads
-        grads_seen = None if same_grads else _grads_seen(bucket.grads)
+        grads_seen = None if same_grads else bulk.kinds(bucket.grads)
         if seen is None or not same_grads and seen[0] != grads_seen:
             n = len(bucket.params)
             taken = [i for i in range(n) if cpu_kernels.signature(bucket.params, bucket.grads, bucket.states, i)]
@@ -64,7 +58,7 @@ class CpuKernel(Path):
         if cached is not None and any(table.states_moved() for table, _ in cached[1]):
             cached = None
         same_grads = cached is not None and cached[3] is part.grads
-        grads_seen = None if same_grads else _grads_seen(part.grads)
+        grads_seen = None if same_grads else bulk.kinds(part.grads)
         if cached is None or not same_grads and cached[0] != grads_seen:
             by_formats: dict[tuple, list[int]] = {}
             rest = []
