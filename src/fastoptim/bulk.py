@@ -110,15 +110,16 @@ def all_set_to(a: Sequence, b: Sequence, grads: bool = False) -> bool:
 
 
 def with_grads(params: Sequence[Tensor]) -> tuple[list[Tensor], list[Tensor], bool]:
-    """The params whose ``.grad`` is not None, their grads, and whether every such grad is strided and of its
-    param's dtype (where not, the caller looks at each)."""
+    """The params whose ``.grad`` is not None, their grads, and whether every such grad is strided, of its
+    param's dtype and not a lazily negated view (where not, the caller looks at each)."""
     native = _native("with_grads")
     found = None if native is None else native(_sequence(params), torch.nn.Parameter)
     if found is not None:
         return found
     params = [p for p in params if p.grad is not None]
     grads = [p.grad for p in params]
-    return params, grads, all(g.layout == torch.strided and g.dtype == p.dtype for p, g in zip(params, grads))
+    return params, grads, all(g.layout == torch.strided and g.dtype == p.dtype and not g.is_neg()
+                              for p, g in zip(params, grads))
 
 
 def layouts(tensors: Sequence[Tensor], shapes: bool = True) -> object:

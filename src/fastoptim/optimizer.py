@@ -26,7 +26,6 @@ from .paths import sharded
 from .rules import Rule
 from .storage.state import is_dtensor
 
-
 STEP_NOT_TRACEABLE = ("fastoptim's step and zero_grad run eagerly under torch.compile (a graph break): they call "
                       "their own C++ and Triton kernels and keep Python-side caches, which Dynamo cannot trace; "
                       "impl='fused'/'compiled' compile the step's math themselves. Call opt.step() outside "
@@ -312,6 +311,7 @@ class FastOptimizer(torch.optim.Optimizer):
                                    f"(param {self._param_index(p)}, shape {tuple(p.shape)})")
             if g.dtype != p.dtype:  # torch takes such a grad where ``p.grad_dtype`` allows: the math promotes it
                 g = g.to(p.dtype)
+            g = g.resolve_neg()  # (a lazily negated view: kernels read its memory as it lies; else g itself)
             params.append(p)
             grads.append(g)
         return group, params, grads

@@ -1,5 +1,6 @@
-"""Small drop-in details of torch.optim: complex params refused at the step as torch refuses them, and a
-resumed, deep-copied or unpickled optimizer whose state_dict has the keys of the one saved."""
+"""Small drop-in details of torch.optim: complex params refused at the step as torch refuses them, a
+resumed, deep-copied or unpickled optimizer whose state_dict has the keys of the one saved, and grads that
+are lazily negated views read by their values."""
 
 import copy
 import pickle
@@ -121,3 +122,36 @@ def test_load_state_dict_deepcopy_and_pickle_keep_the_keys(name, flat):
     fresh, _ = _stepped(name, flat)
     fresh.load_state_dict(copied.state_dict())
     assert _keys(fresh) == saved
+
+
+# --- grads that are lazily negated views (``z.conj().imag`` makes one): their values, not their memory ----------
+
+@pytest.mark.parametrize("bits", (32, 8, 4))
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("name", ["adamw", "sgd"])
+def test_a_lazily_negated_grad_steps_with_its_values_as_in_torch(name, level, bits):
+    """torch.optim's loop and foreach steps read such a grad by its values (its memory holds their negation).
+    Every level takes it the same way, the CPU kernel for 8/4-bit state included (it read the memory), and the
+    user's grad stays the view it was."""
+    from fastoptim.levels import record_paths
+
+    spec = OPTIMIZERS[name]
+    opts = dict(lr=0.1, momentum=0.9) if name == "sgd" else dict(lr=0.1)
+    g = torch.Generator().manual_seed(0)
+    ours = [torch.nn.Parameter(torch.randn(64, 96, generator=g)), torch.nn.Parameter(torch.randn(40, generator=g))]
+    theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+    opt = spec.cls(ours, impl=level, state_bits=bits, min_quant_size=0, **opts)
+    ref = spec.cls(theirs, impl="loop", state_bits=bits, min_quant_size=0, **opts)
+    for step in range(3):
+        for a, b in zip(ours, theirs):
+            values = torch.randn(a.shape, generator=g)
+            a.grad = (-values)._neg_view() if step != 1 else values.clone()  # (plain in between: cached tables)
+            b.grad = values
+        with record_paths() as paths:
+            opt.step()
+        ref.step()
+        if bits != 32 and level == "fused":
+            assert "cpu_kernel" in paths, paths
+        assert ours[0].grad.is_neg() == (step != 1)
+        for a, b in zip(ours, theirs):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

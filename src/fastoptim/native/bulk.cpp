@@ -194,8 +194,8 @@ static PyObject* kinds(PyObject*, PyObject* seq) {
 }
 
 // with_grads(params, parameter_type): ([p for p in params if p.grad is not None], [their grads], whether every
-// such grad is strided and of its param's dtype); None where an item is not exactly a Tensor or a
-// parameter_type (a subclass may answer .grad by itself)
+// such grad is strided, of its param's dtype and not a lazily negated view); None where an item is not exactly a
+// Tensor or a parameter_type (a subclass may answer .grad by itself)
 static PyObject* with_grads(PyObject*, PyObject* args) {
     PyObject *seq, *parameter_type;
     if (!PyArg_ParseTuple(args, "OO", &seq, &parameter_type) || !sequence(seq, "with_grads")) return nullptr;
@@ -211,7 +211,7 @@ static PyObject* with_grads(PyObject*, PyObject* args) {
         for (Py_ssize_t i = 0; i < n && params && grads; ++i) {
             if (!g[i]) continue;
             const at::TensorBase& grad = THPVariable_Unpack(items[i]).grad();
-            plain = plain && g[i]->layout() == c10::kStrided && g[i]->dtype() == x[i]->dtype();
+            plain = plain && g[i]->layout() == c10::kStrided && g[i]->dtype() == x[i]->dtype() && !g[i]->is_neg();
             PyObject* wrapped = THPVariable_Wrap(grad);
             if (!wrapped || PyList_Append(params, items[i]) || PyList_Append(grads, wrapped)) Py_CLEAR(params);
             Py_XDECREF(wrapped);
