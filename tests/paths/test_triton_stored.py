@@ -151,6 +151,39 @@ def test_kernel_stores_the_ieee_oracles_bytes_and_matches_the_staged_loop_level(
     assert int(table.table[1, 0]) > ts.tile_blocks(ts.codec_block(formats))  # 8 x 257: the tile loop ran twice
 
 
+def test_which_params_the_kernel_takes_is_worked_out_again_only_when_a_grad_changes_kind(interpret, monkeypatch):
+    """Per-param checks cost host time every step on a GPU: they run once per bucket, and again only when a
+    grad's dtype or contiguity changes (a non-contiguous grad runs staged that step, and the numbers stay the
+    loop level's)."""
+    calls = []
+    real = ts.signature
+    monkeypatch.setattr(ts, "signature", lambda *a, **k: calls.append(a[3]) or real(*a, **k))
+    ours_p, g = _params(0)
+    base_p = _clone(ours_p)
+    ours = _make(OPTIMIZERS["adamw"], ours_p, "fused", 8, {})
+    base = _make(OPTIMIZERS["adamw"], base_p, "loop", 8, {})
+    seen = []
+    for step in range(1, 5):
+        same_random_grads(ours_p, base_p, g)
+        if step == 3:  # one grad of the same shape, transposed storage: not contiguous
+            values = ours_p[0].grad.clone()
+            ours_p[0].grad = values.t().contiguous().t()
+            assert not ours_p[0].grad.is_contiguous()
+        calls.clear()
+        with record_paths() as paths:
+            ours.step()
+        base.step()
+        seen.append((len(calls), paths))
+        _assert_same_stored(ours, base, ours_p, base_p, f"step {step}")
+    n = len(ours_p)
+    assert seen[0] == (n, ["triton_stored"])  # worked out once: takes and run share it
+    assert seen[1] == (0, ["triton_stored"])
+    # a grad of another kind: worked out again for the bucket, and for the part the kernel takes (its own cache)
+    assert seen[2][0] == n + (n - 1) and seen[2][1][0] == "triton_stored" and len(seen[2][1]) == 2  # (the rest:
+    # the staged path's level)
+    assert seen[3] == (n, ["triton_stored"])  # and back
+
+
 @pytest.mark.parametrize("bits", (16, 8, 4))
 def test_both_branches_ran_whole_aligned_rows_and_ragged_or_misaligned_ones(interpret, bits):
     """The table marks which branch each tensor takes; a param at an odd address (a view) takes the masked

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import bulk
 from .base import Bucket, Path, StepContext, is_dtensor, subset
 
 
@@ -57,13 +58,21 @@ class TritonStored(Path):
 
     @staticmethod
     def _by_formats(bucket: Bucket, rounding: str) -> tuple[dict[tuple, list[int]], list[int]]:
+        """The params the kernel takes, by their state formats, and the rest: worked out once per bucket (its
+        params and states are fixed while the step plan holds it) and again when a grad's dtype or contiguity
+        changes, as the CPU kernel's split (``takes`` and ``run`` both ask, each step)."""
         from . import triton_stored
 
+        kinds = bulk.kinds(bucket.grads)
+        cached = bucket.cache.get(("triton_stored_split", rounding))
+        if cached is not None and cached[0] == kinds:
+            return cached[1]
         by_formats: dict[tuple, list[int]] = {}
         rest = []
         for i in range(len(bucket.params)):
             formats = triton_stored.signature(bucket.params, bucket.grads, bucket.states, i, rounding)
             (rest if formats is None else by_formats.setdefault(formats, [])).append(i)
+        bucket.cache[("triton_stored_split", rounding)] = (kinds, (by_formats, rest))
         return by_formats, rest
 
     @staticmethod
