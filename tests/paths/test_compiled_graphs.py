@@ -44,6 +44,25 @@ def test_graphs_compiled_per_rule_over_the_test_params(name, monkeypatch):
     assert _unique_graphs() - before == GRAPHS[name]
 
 
+def _compiled_adam_matches_torch(shapes, seed, steps, **opts):
+    """Adam at the compiled level beside torch.optim.Adam on params of these shapes: the compiled path ran every
+    step, and params and second moments are torch's."""
+    g = torch.Generator().manual_seed(seed)
+    ours = [torch.nn.Parameter(torch.randn(s, generator=g)) for s in shapes]
+    theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+    opt = fastoptim.Adam(ours, lr=0.1, impl="compiled", **opts)
+    ref = torch.optim.Adam(theirs, lr=0.1, foreach=False, **opts)
+    with record_paths() as paths:
+        for _ in range(steps):
+            same_random_grads(ours, theirs, g)
+            opt.step()
+            ref.step()
+    assert paths == ["compiled"] * steps
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a, b)
+        torch.testing.assert_close(opt.state[a]["exp_avg_sq"], ref.state[b]["exp_avg_sq"])
+
+
 def test_one_element_params_step_packed_in_the_graph_of_larger_ones(monkeypatch):
     """A 0-d param alone in its bucket (packed with a copy of itself), then params of 1 and more elements: one graph,
     and torch.optim.Adam's results."""
@@ -52,20 +71,7 @@ def test_one_element_params_step_packed_in_the_graph_of_larger_ones(monkeypatch)
     shapes = [[()], [(1,), (), (6,), (1,), (1, 1)]]
     before = _unique_graphs()
     for run in shapes:
-        g = torch.Generator().manual_seed(len(run))
-        ours = [torch.nn.Parameter(torch.randn(s, generator=g)) for s in run]
-        theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
-        opt = fastoptim.Adam(ours, lr=0.1, weight_decay=0.1, impl="compiled")
-        ref = torch.optim.Adam(theirs, lr=0.1, weight_decay=0.1, foreach=False)
-        with record_paths() as paths:
-            for step in range(3):
-                same_random_grads(ours, theirs, g)
-                opt.step()
-                ref.step()
-        assert paths == ["compiled"] * 3
-        for a, b in zip(ours, theirs):
-            torch.testing.assert_close(a, b)
-            torch.testing.assert_close(opt.state[a]["exp_avg_sq"], ref.state[b]["exp_avg_sq"])
+        _compiled_adam_matches_torch(run, seed=len(run), steps=3, weight_decay=0.1)
     assert _unique_graphs() - before == 1
 
 
@@ -105,17 +111,6 @@ def test_a_param_as_long_as_the_scalars_shares_the_graph_of_others(monkeypatch):
     torch._dynamo.reset()
     rule = OPTIMIZERS["adam"].cls.rule
     k = len(rule.scalars({**rule.defaults, "lr": 0.1}, 1))
-    g = torch.Generator().manual_seed(0)
-    ours = [torch.nn.Parameter(torch.randn(n, generator=g)) for n in (k, k + 5)]
-    theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
-    opt, ref = fastoptim.Adam(ours, lr=0.1, impl="compiled"), torch.optim.Adam(theirs, lr=0.1, foreach=False)
     before = _unique_graphs()
-    with record_paths() as paths:
-        for step in range(2):
-            same_random_grads(ours, theirs, g)
-            opt.step()
-            ref.step()
-    assert paths == ["compiled"] * 2
-    for a, b in zip(ours, theirs):
-        torch.testing.assert_close(a, b)
+    _compiled_adam_matches_torch([(k,), (k + 5,)], seed=0, steps=2)
     assert _unique_graphs() - before == 1
