@@ -320,21 +320,29 @@ def test_stored_level_is_declared_for_the_fused_level_under_triton(interpret):
 
 
 def test_the_table_is_rebuilt_only_when_an_address_changes(interpret):
+    """A new grad, or a state's codes moved to other memory in place (``share_memory_``), make a new table;
+    the numbers stay the loop level's."""
     params, g = _params(6, [(4, 256)])
+    base_p = _clone(params)
     opt = fastoptim.AdamW(params, impl="fused", state_bits=8, min_quant_size=0)
-    for step in range(3):
-        params[0].grad = torch.randn(4, 256, generator=g) if step != 1 else params[0].grad
+    base = fastoptim.AdamW(base_p, impl="loop", state_bits=8, min_quant_size=0)
+    for step in range(4):
+        grad = torch.randn(4, 256, generator=g) if step in (0, 2) else params[0].grad
+        params[0].grad, base_p[0].grad = grad, grad.clone()
+        if step == 3:
+            opt.state[params[0]]["exp_avg"].codes.share_memory_()
         with record_paths() as paths:
             opt.step()
+        base.step()
         assert paths == ["triton_stored"]
+        _assert_same_stored(opt, base, params, base_p, f"step {step}")
         tables = next(c for c in opt._bucket_caches.values() if "triton_stored_tables" in c)["triton_stored_tables"]
         (table,) = tables.values()
-        if step == 0:
-            first = table.table
-        elif step == 1:
-            assert table.table is first  # same grad tensor, same addresses
-        else:
-            assert table.table is not first  # a new grad: a new address
+        if step == 1:
+            assert table.table is last  # same grad tensor, same addresses
+        elif step:
+            assert table.table is not last  # a new grad (step 2), a state moved in place (3): new addresses
+        last = table.table
 
 
 # --- ahead-of-time compile for real GPUs --------------------------------------------------------------
