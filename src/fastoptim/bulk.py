@@ -2,8 +2,8 @@
 
 Every step: flat mode checks that each param is still its view of the flat buffer and each ``.grad`` its view
 of the grad buffer (``all_set_to``), and other plans that each param lies where and as it did (``layouts``): a
-cache must never outlive what it caches; the CPU kernel's, that each grad is of the dtype and contiguity its
-tables were made for (``kinds``); the params with grads are collected (``with_grads``); every level
+cache must never outlive what it caches; the kernels', that each grad is of the dtype, contiguity and shape
+their tables were made for (``kinds``); the params with grads are collected (``with_grads``); every level
 counts the step as an in-place write to each param (``bump_versions``); and each param's state dict gets the
 new ``step`` (``set_each``). From Python each costs a microsecond or so a tensor with the caches cold after
 the step, which over the thousands of tensors of a deep model is as long as an 8-bit step's own work. Here each
@@ -134,12 +134,12 @@ def layouts(tensors: Sequence[Tensor], shapes: bool = True) -> object:
 
 
 def kinds(tensors: Sequence[Tensor]) -> object:
-    """Each tensor's dtype and whether it is contiguous: equal results (of one process) mean every tensor is of
-    the dtype and contiguity it was."""
+    """Each tensor's dtype, whether it is contiguous, and its shape: equal results (of one process) mean every
+    tensor is of the dtype, contiguity and shape it was."""
     native = _native("kinds")
     if native is not None:
         return native(_sequence(tensors))
-    return list(zip(map(_dtype, tensors), map(Tensor.is_contiguous, tensors)))
+    return list(zip(map(_dtype, tensors), map(Tensor.is_contiguous, tensors), map(Tensor.size, tensors)))
 
 
 def bump_versions(tensors: Iterable[Tensor]) -> None:

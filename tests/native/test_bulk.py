@@ -279,9 +279,10 @@ def _relay(p):
         p.t_()
 
 
-def test_kinds_change_with_a_tensors_dtype_or_contiguity(check):
-    """What the CPU kernel's tables are checked against each step: a grad of another dtype, or a non-contiguous
-    one, must read as a change (else the kernel would read it as the contiguous fp32 grad it was built for)."""
+def test_kinds_change_with_a_tensors_dtype_contiguity_or_shape(check):
+    """What the kernels' tables are checked against each step: a grad of another dtype, a non-contiguous one, or
+    one of another shape must read as a change (else a kernel would read it as the contiguous fp32 grad of the
+    param's shape it was built for)."""
     grads = [torch.zeros(4, 6) for _ in range(40)]
     before = bulk.kinds(grads)
     assert bulk.kinds([g.clone() for g in grads]) == before  # new tensors, the same kinds
@@ -290,10 +291,14 @@ def test_kinds_change_with_a_tensors_dtype_or_contiguity(check):
         "transposed": lambda g: g.t(),
         "a strided slice": lambda g: g[:, ::2],
         "bf16": lambda g: g.bfloat16(),
+        "another shape, the same size": lambda g: g.view(6, 4),
+        "a dim more": lambda g: g.view(4, 6, 1),
+        "half of it": lambda g: g[:2],
     }
     for name, change in changes.items():
         fresh = list(grads)
         fresh[37] = change(fresh[37])
         assert bulk.kinds(fresh) != before, name
-    assert bulk.kinds([grads[0].t().contiguous()]) == bulk.kinds([torch.zeros(6, 4)])  # contiguity, not shape
-    assert bulk.kinds([torch.zeros(1, 6)[:, :3]]) == bulk.kinds([torch.zeros(3)])  # contiguous as torch says
+    assert bulk.kinds([grads[0].t().contiguous()]) == bulk.kinds([torch.zeros(6, 4)])  # where it lies: not a kind
+    assert bulk.kinds([torch.zeros(3, 6)[:, :3]]) != bulk.kinds([torch.zeros(3, 3)])  # strided: not contiguous
+    assert bulk.kinds([torch.zeros(1, 6)[:, :3]]) == bulk.kinds([torch.zeros(1, 3)])  # contiguous as torch says

@@ -184,6 +184,50 @@ def test_which_params_the_kernel_takes_is_worked_out_again_only_when_a_grad_chan
     assert seen[3] == (n, ["triton_stored"])  # and back
 
 
+@pytest.mark.parametrize("bits", (16, 8))
+def test_a_state_re_laid_in_place_between_steps_is_seen(interpret, bits):
+    """A state tensor made non-contiguous or re-typed in place (``.data = ...``) keeps the step plan (it is the
+    same object): the kernel's split must see it, and the numbers stay the loop level's."""
+    for change in ("transposed", "re-typed"):
+        ours_p, g = _params(3, [(4, 256)])
+        base_p = _clone(ours_p)
+        ours = _make(OPTIMIZERS["adamw"], ours_p, "fused", bits, {})
+        base = _make(OPTIMIZERS["adamw"], base_p, "loop", bits, {})
+        for step in range(3):
+            same_random_grads(ours_p, base_p, g)
+            if step == 1:
+                for opt, p in ((ours, ours_p[0]), (base, base_p[0])):
+                    held = opt.state[p]["exp_avg"]
+                    t = held if bits == 16 else held.codes
+                    t.data = t.data.t().contiguous().t() if change == "transposed" else (
+                        t.data.float() if bits == 16 else t.data.clone())
+            ours.step()
+            base.step()
+            for a, b in zip(ours_p, base_p):
+                torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5, msg=lambda m: f"{change}, step {step}: {m}")
+
+
+def test_a_grad_of_another_size_is_refused_as_the_loop_level_refuses_it(interpret):
+    """A grad re-shaped behind the param's back (``p.grad.data = ...``) after the kernel's split was worked out:
+    the kernel must not read it as the param's shape (half its size: it read past its end)."""
+    shape = (2, 256)
+    params, g = _params(4, [(4, 256)])
+    base_p = _clone(params)
+    ours = _make(OPTIMIZERS["adamw"], params, "fused", 8, {})
+    base = _make(OPTIMIZERS["adamw"], base_p, "loop", 8, {})
+    same_random_grads(params, base_p, g)
+    ours.step()
+    base.step()
+    for p in (params[0], base_p[0]):
+        p.grad = torch.zeros_like(p)
+        p.grad.data = torch.randn(shape, generator=g)
+    with pytest.raises(RuntimeError) as loop_error:
+        base.step()
+    with pytest.raises(RuntimeError) as error:
+        ours.step()
+    assert type(error.value) is type(loop_error.value)
+
+
 @pytest.mark.parametrize("bits", (16, 8, 4))
 def test_both_branches_ran_whole_aligned_rows_and_ragged_or_misaligned_ones(interpret, bits):
     """The table marks which branch each tensor takes; a param at an odd address (a view) takes the masked

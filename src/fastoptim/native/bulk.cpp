@@ -174,19 +174,22 @@ static PyObject* layouts(PyObject*, PyObject* args) {
     }
 }
 
-// kinds(tensors): two bytes a tensor, its dtype (c10::ScalarType) and whether it is contiguous; equal results: every
-// tensor is of the dtype and contiguity it was
+// kinds(tensors): each tensor's dtype (c10::ScalarType), whether it is contiguous, its dim and sizes; equal results:
+// every tensor is of the dtype, contiguity and shape it was
 static PyObject* kinds(PyObject*, PyObject* seq) {
     if (!sequence(seq, "kinds") || !all_tensors(seq, "kinds")) return nullptr;
     try {
         const std::vector<c10::TensorImpl*> x = impls(seq);
-        std::vector<char> out(2 * x.size());
+        std::vector<int64_t> out;
+        out.reserve(x.size() * 5);
         for (size_t i = 0; i < x.size(); ++i) {
             if (i + AHEAD < x.size()) prefetch(x[i + AHEAD], 4);
-            out[2 * i] = static_cast<char>(c10::typeMetaToScalarType(x[i]->dtype()));
-            out[2 * i + 1] = x[i]->is_contiguous() ? 1 : 0;
+            out.push_back(static_cast<int64_t>(c10::typeMetaToScalarType(x[i]->dtype())));
+            out.push_back(x[i]->is_contiguous() ? 1 : 0);
+            out.push_back(x[i]->dim());
+            for (int64_t d : x[i]->sizes()) out.push_back(d);
         }
-        return PyBytes_FromStringAndSize(out.data(), out.size());
+        return PyBytes_FromStringAndSize(reinterpret_cast<const char*>(out.data()), out.size() * sizeof(int64_t));
     } catch (const std::exception& e) {
         PyErr_SetString(PyExc_RuntimeError, e.what());
         return nullptr;

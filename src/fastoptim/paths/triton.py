@@ -41,6 +41,16 @@ class Triton(Path):
                                   ctx.flags, table, grad_mul=ctx.grad_mul, found_inf=ctx.found_inf) or None
 
 
+def _seen(bucket: Bucket, by_formats: dict[tuple, list[int]]) -> tuple:
+    """What the state tensors of the params the kernel takes are now (kinds and addresses): the split holds while
+    they stay so."""
+    from ..storage import codecs
+
+    states = [t for formats, indices in by_formats.items() for k, fmt in enumerate(formats) if fmt is not None
+              for i in indices for t in codecs.of(fmt).tensors(bucket.states[k][i])]
+    return bulk.kinds(states), bulk.layouts(states, shapes=False)
+
+
 class TritonStored(Path):
     """Takes the params whose 16/8/4-bit state the kernel loads and stores in registers (``signature``). With
     ``ctx.rounding`` "stochastic" or "kahan" the bucket's bf16 params are rounded as ``storage.round_into``
@@ -58,21 +68,21 @@ class TritonStored(Path):
 
     @staticmethod
     def _by_formats(bucket: Bucket, rounding: str) -> tuple[dict[tuple, list[int]], list[int]]:
-        """The params the kernel takes, by their state formats, and the rest: worked out once per bucket (its
-        params and states are fixed while the step plan holds it) and again when a grad's dtype or contiguity
-        changes, as the CPU kernel's split (``takes`` and ``run`` both ask, each step)."""
+        """The params the kernel takes, by their state formats, and the rest: worked out once per bucket and
+        again when a grad's dtype, contiguity or shape changes, or a taken param's state tensors were re-laid,
+        re-typed or moved in place (``takes`` and ``run`` both ask, each step)."""
         from . import triton_stored
 
-        kinds = bulk.kinds(bucket.grads)
+        grads = bulk.kinds(bucket.grads)
         cached = bucket.cache.get(("triton_stored_split", rounding))
-        if cached is not None and cached[0] == kinds:
-            return cached[1]
+        if cached is not None and cached[0] == grads and cached[1] == _seen(bucket, cached[2][0]):
+            return cached[2]
         by_formats: dict[tuple, list[int]] = {}
         rest = []
         for i in range(len(bucket.params)):
             formats = triton_stored.signature(bucket.params, bucket.grads, bucket.states, i, rounding)
             (rest if formats is None else by_formats.setdefault(formats, [])).append(i)
-        bucket.cache[("triton_stored_split", rounding)] = (kinds, (by_formats, rest))
+        bucket.cache[("triton_stored_split", rounding)] = (grads, _seen(bucket, by_formats), (by_formats, rest))
         return by_formats, rest
 
     @staticmethod
