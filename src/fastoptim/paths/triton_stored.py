@@ -267,7 +267,7 @@ class StoredTable:
 
     def update(self, params, grads, states, formats, comps=None) -> None:
         """``comps``: with Kahan rounding, each param's compensation. Every tensor's address is read each step in
-        one C++ pass (``bulk.layouts``; a list of ``data_ptr`` calls cost 3x as long over thousands of tensors)."""
+        one C++ pass (``bulk.layouts``), not one Python call per tensor."""
         watched = [*params, *grads, *(comps or ())]
         for column, fmt in zip(states, formats):
             if fmt is not None:
