@@ -2,34 +2,43 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
 from .kinds import KIND_NAMES, KINDS, TinyLM, tokens
 
-pl = pytest.importorskip("lightning.pytorch")
 
+@functools.cache
+def lightning_module():
+    """Lightning (imported by the first test that runs here, not at collection: the import takes seconds in
+    every test process) and the LightningModule of these tests."""
+    pl = pytest.importorskip("lightning.pytorch")
 
-class Module(pl.LightningModule):
-    def __init__(self, make_optimizer):
-        super().__init__()
-        torch.manual_seed(0)
-        self.model = TinyLM()
-        self.make_optimizer = make_optimizer
-        self.losses = []
+    class Module(pl.LightningModule):
+        def __init__(self, make_optimizer):
+            super().__init__()
+            torch.manual_seed(0)
+            self.model = TinyLM()
+            self.make_optimizer = make_optimizer
+            self.losses = []
 
-    def training_step(self, batch, _):
-        (ids,) = batch
-        logits = self.model(ids[:, :-1])
-        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), ids[:, 1:].flatten())
-        self.losses.append(loss.item())
-        return loss
+        def training_step(self, batch, _):
+            (ids,) = batch
+            logits = self.model(ids[:, :-1])
+            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), ids[:, 1:].flatten())
+            self.losses.append(loss.item())
+            return loss
 
-    def configure_optimizers(self):
-        return self.make_optimizer(self)
+        def configure_optimizers(self):
+            return self.make_optimizer(self)
+
+    return pl, Module
 
 
 def fit(root, make_optimizer, precision="32", clip=None, resume=None, max_steps=6, device="cpu"):
+    pl, Module = lightning_module()
     module = Module(make_optimizer)
     # one epoch is 3 steps: the checkpoint at step 3 ends an epoch, so a resumed run sees the same batches
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(tokens(12)), batch_size=4)

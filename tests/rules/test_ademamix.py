@@ -7,13 +7,13 @@ operations in the same order (bitsandbytes' ``m.mul_(b).add_(g, alpha=1 - b)`` i
 the tolerance is the fp32 one of DESIGN.md (atol 1e-6, rtol 1e-5), and what was measured is far below it.
 """
 
+import functools
+
 import pytest
 import torch
 
 import fastoptim
 from fastoptim.levels import LEVELS, record_paths
-
-bnb = pytest.importorskip("bitsandbytes")
 
 SHAPES = [(64, 1024), (80,), (1,)]
 # the path each level takes on the CPU for fp32 state (a bucket this size is not routed to the small-tensor path)
@@ -27,19 +27,21 @@ OPTIONS = [
 ]
 
 
-def _bnb_runs_on_cpu() -> bool:
+@functools.cache
+def _bnb_ademamix():
+    """bitsandbytes' AdEMAMix, imported by the first test that needs it (not at collection: the import takes
+    seconds in every test process); the test is skipped where bitsandbytes or its CPU kernels are not here."""
+    bnb = pytest.importorskip("bitsandbytes")
     p = torch.nn.Parameter(torch.ones(4))
     p.grad = torch.ones(4)
     try:
         bnb.optim.AdEMAMix([p], optim_bits=32).step()
-    except Exception:  # (a build without the CPU optimizer kernels)
-        return False
-    return True
+    except Exception as error:  # (a build without the CPU optimizer kernels)
+        pytest.skip(f"bitsandbytes' AdEMAMix does not run on this CPU: {error}")
+    return bnb.optim.AdEMAMix
 
 
-pytestmark = pytest.mark.skipif(not _bnb_runs_on_cpu(), reason="bitsandbytes' AdEMAMix does not run on this CPU")
-
-
+@pytest.mark.sample("index", "level")
 @pytest.mark.parametrize("level", LEVELS)
 @pytest.mark.parametrize("index", range(len(OPTIONS)))
 def test_matches_bitsandbytes_every_step(index, level):
@@ -48,7 +50,7 @@ def test_matches_bitsandbytes_every_step(index, level):
     ours_p = [torch.nn.Parameter(torch.randn(s, generator=g)) for s in SHAPES]
     theirs_p = [torch.nn.Parameter(p.detach().clone()) for p in ours_p]
     ours = fastoptim.AdEMAMix(ours_p, impl=level, **opts)
-    theirs = bnb.optim.AdEMAMix(theirs_p, optim_bits=32, **opts)
+    theirs = _bnb_ademamix()(theirs_p, optim_bits=32, **opts)
     worst = 0.0
     for step in range(1, STEPS + 1):
         for a, b in zip(ours_p, theirs_p):
