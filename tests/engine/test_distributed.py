@@ -6,7 +6,8 @@ Starting a torchrun launch (torchrun and each rank import torch) costs far more 
 tests share launches: three of train_runs.py run dist_worker.py's parity checks and the `fastoptim train` runs
 (the checks, the straight runs and first halves; then the second halves, in new processes; then the one-process
 resume). They run once per session, also when pytest-xdist spreads the tests over several workers. The README's
-command is launched as the README gives it."""
+command is launched as the README gives it. The default test run launches the checks alone, without the compiled
+level; the `fastoptim train` runs and the compiled level's checks are the full run's (``slow``)."""
 
 import json
 import os
@@ -55,10 +56,21 @@ def launch(script, *args, nproc=2):
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
+# the compiled level's cases cost cold Inductor builds in both ranks, much of the launch: the full run's
+COMPILED = pytest.param("compiled", marks=pytest.mark.slow)
+
+
 @pytest.fixture(scope="module")
-def dist_runs(tmp_path_factory):
-    """The folder of the shared launches (train_runs_in_three_launches, below)."""
-    return once(tmp_path_factory, "dist", train_runs_in_three_launches)
+def dist_runs(tmp_path_factory, request):
+    """The folder of the shared launches (train_runs_in_three_launches, below), with what the selected tests
+    read: dist_worker.py's checks at the compiled level only where one of its cases runs, and the `fastoptim
+    train` runs (all three launches) only where a test of them runs (both are the full run's, ``slow``)."""
+    selected = [item for item in request.session.items if item.path == request.path]
+    levels = ["loop", "foreach", "fused"]
+    if any(getattr(item, "callspec", None) and item.callspec.params.get("impl") == "compiled" for item in selected):
+        levels.append("compiled")
+    train = any("train_runs" in item.fixturenames for item in selected)
+    return once(tmp_path_factory, "dist", lambda root: train_runs_in_three_launches(root, levels, train))
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +79,7 @@ def dist_results(dist_runs):
     return json.loads((dist_runs / "parity.json").read_text())
 
 
-@pytest.mark.parametrize("impl", ["loop", "foreach", "fused", "compiled"])
+@pytest.mark.parametrize("impl", ["loop", "foreach", "fused", COMPILED])
 def test_fsdp2_matches_one_process(dist_results, impl):
     assert dist_results[f"fsdp2 {impl}"] < 1e-6
 
@@ -77,7 +89,7 @@ def test_zero1_matches_one_process(dist_results):
 
 
 @pytest.mark.parametrize("bits", [16, 8, 4])
-@pytest.mark.parametrize("impl", ["loop", "foreach", "fused", "compiled"])
+@pytest.mark.parametrize("impl", ["loop", "foreach", "fused", COMPILED])
 def test_fsdp2_with_low_bit_state_matches_one_process(dist_results, impl, bits):
     """Codes and absmax are DTensors sharded on dim 0 like their param: bit-identical to one process, except
     the compiled level, whose Inductor kernels round differently on the shards' shapes (as at 32 bits)."""
@@ -98,7 +110,7 @@ def test_fsdp2_with_bf16_params_rounded_matches_one_process(dist_results, impl, 
     assert dist_results[f"fsdp2 {impl} bf16 {rounding}"] == 0.0
 
 
-@pytest.mark.parametrize("impl", ["loop", "foreach", "fused", "compiled"])
+@pytest.mark.parametrize("impl", ["loop", "foreach", "fused", COMPILED])
 def test_fsdp2_muon_matches_one_process_bit_for_bit(dist_results, impl):
     """Each whole matrix is gathered on one rank, which runs the same (batched) Newton-Schulz on it as one
     process does: tall, wide, rows uneven over the ranks, a shard empty on one rank, two of one shape."""
@@ -124,7 +136,7 @@ def test_fsdp2_muon_orthogonalises_each_whole_matrix_on_exactly_one_rank(dist_re
     assert sorted(ranks) == [[[1, 8], [8, 8], [8, 8], [8, 33]], [[33, 16]]]
 
 
-@pytest.mark.parametrize("impl", ["loop", "fused", "compiled"])
+@pytest.mark.parametrize("impl", ["loop", "fused", COMPILED])
 def test_fsdp2_adafactor_on_vectors_matches_one_process_bit_for_bit(dist_results, impl):
     """Adafactor's step on 1-D params (its rms over each whole tensor): gathered like Muon's matrices."""
     assert dist_results[f"adafactor fsdp2 vectors {impl}"] == 0.0
@@ -197,10 +209,11 @@ def stale_dcp_folders(out):
     return [out / "dcp-00000006-0badc0de.tmp", out / "dcp-00000006-0badc0de", out / "dcp.tmp"]
 
 
-def train_runs_in_three_launches(root):
+def train_runs_in_three_launches(root, levels, train=True):
     """dist_worker.py's checks, the straight runs and the first halves of the tests below under one torchrun
     launch of two ranks; the second halves under a new one (they resume from the checkpoints on disk, in new
-    processes); the resume of the two ranks' 8-bit checkpoint on one process under a third."""
+    processes); the resume of the two ranks' 8-bit checkpoint on one process under a third. Without ``train``
+    only the checks, in one launch."""
     def out(name, *more):
         return ["--out-dir", str(root / name), *more]
 
@@ -211,12 +224,17 @@ def train_runs_in_three_launches(root):
         (root / "plan.json").write_text(json.dumps(plan))
         launch("train_runs.py", root / "plan.json", *parity, nproc=nproc)
 
+    if not train:
+        runs([], 2, root / "parity.json", ",".join(levels))
+        return
+
     runs([DDP + out("ddp-a"), DDP + out("ddp-b", "--stop-after", "4"),
           FSDP + out("fsdp-a") + json_to("fsdp-a"), FSDP + out("fsdp-b", "--stop-after", "4"),
           MUON + out("muon-a") + json_to("muon-a"), MUON + out("muon-b", "--stop-after", "3"),
           LOW_BIT + out("low-straight") + json_to("low-straight"),
           LOW_BIT + out("low-two", "--stop-after", "3") + json_to("low-two"),
-          LOW_BIT + out("low-one", "--stop-after", "3") + json_to("low-one")], 2, root / "parity.json")
+          LOW_BIT + out("low-one", "--stop-after", "3") + json_to("low-one")],
+         2, root / "parity.json", ",".join(levels))
     # what the tests check between the halves: the first half's checkpoint, and the folder it left
     shutil.copy(root / "ddp-b" / "ckpt.pt", root / "ddp-b-half.pt")
     shutil.copy(root / "fsdp-b" / "ckpt.pt", root / "fsdp-b-half.pt")
@@ -239,6 +257,7 @@ def losses(train_runs, name):
     return [e["loss"] for e in json.loads((train_runs / f"{name}.json").read_text())["log"]]
 
 
+@pytest.mark.slow
 def test_train_ddp_under_torchrun_resumes_bit_identically(train_runs):
     """8 steps straight, and 4 steps then 4 more resumed in new processes: the same checkpoint bit for bit."""
     ckpt = torch.load(train_runs / "ddp-b-half.pt", weights_only=False)
@@ -252,6 +271,7 @@ def test_train_ddp_under_torchrun_resumes_bit_identically(train_runs):
     assert_same_tensors(a["optimizer"]["param_groups"], b["optimizer"]["param_groups"], "optimizer param_groups")
 
 
+@pytest.mark.slow
 def test_train_fsdp2_checkpoints_through_dcp_and_resumes_exactly(train_runs):
     half = torch.load(train_runs / "fsdp-b-half.pt", weights_only=False)
     # the DCP folder that ckpt.pt names, and no temporary folders
@@ -264,6 +284,7 @@ def test_train_fsdp2_checkpoints_through_dcp_and_resumes_exactly(train_runs):
     assert straight == resumed and len(straight) == 8
 
 
+@pytest.mark.slow
 def test_train_fsdp2_with_muon_resumes_exactly(train_runs):
     """`fastoptim train --fsdp --optimizer muon`: the Muon recipe on the GPT's sharded matrices, its momentum saved
     through DCP; stopped and resumed, the same losses as straight through."""
@@ -272,6 +293,7 @@ def test_train_fsdp2_with_muon_resumes_exactly(train_runs):
     assert straight[-1] < straight[0]
 
 
+@pytest.mark.slow
 def test_readme_fsdp_command_runs_to_the_end_and_resumes_on_one_process(tmp_path):
     """README: `torchrun --standalone --nproc_per_node=2 -m fastoptim train --fsdp`, defaults included (the
     300-token sample at the end, which every rank takes part in under FSDP); only the run is shortened."""
@@ -293,6 +315,7 @@ def test_readme_fsdp_command_runs_to_the_end_and_resumes_on_one_process(tmp_path
     assert all(e["loss"] == e["loss"] for e in resumed["log"])
 
 
+@pytest.mark.slow
 def test_fsdp2_low_bit_state_saves_through_dcp_and_resumes_resharded_on_one_process(train_runs):
     """8-bit state under FSDP2: codes and absmax go through torch.distributed.checkpoint as DTensors sharded on
     dim 0. Two ranks resume from their shards bit-identically; one process resumes from the two ranks' shards

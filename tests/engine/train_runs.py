@@ -3,9 +3,10 @@ processes. Each run goes through ``fastoptim.cli.main``, which ``python -m fasto
 command's own: its config, process group, training, checkpoints and --json summary. Sharing the processes
 saves a torchrun start and two torch imports per run, which cost far more than the tiny runs themselves.
 
-Usage: ``torchrun --standalone --nproc_per_node=N train_runs.py PLAN.json [PARITY.json]``, PLAN a list of
-argument lists (``["train", "--ddp", ...]``). With PARITY, dist_worker.py's checks run first and write their
-results there: one launch fewer. The first run that fails stops the launch, named on stderr."""
+Usage: ``torchrun --standalone --nproc_per_node=N train_runs.py PLAN.json [PARITY.json [LEVELS]]``, PLAN a list
+of argument lists (``["train", "--ddp", ...]``). With PARITY, dist_worker.py's checks (at LEVELS, comma-separated;
+all by default) run first and write their results there: one launch fewer. The first run that fails stops the
+launch, named on stderr."""
 
 import json
 import sys
@@ -34,6 +35,6 @@ def run_all(plan: list[list[str]]) -> int:
 if __name__ == "__main__":
     if len(sys.argv) > 2:
         import dist_worker  # beside this file
-        dist_worker.main(sys.argv[2])
+        dist_worker.main(sys.argv[2], *([sys.argv[3].split(",")] if len(sys.argv) > 3 else []))
     with open(sys.argv[1]) as f:
         sys.exit(run_all(json.load(f)))
