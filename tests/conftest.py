@@ -2,6 +2,7 @@ import itertools
 import math
 import os
 import sys
+import threading
 
 # Set before torch (and its OpenMP runtime) loads; the xdist workers inherit it. With `-n 2` on 2 cores each
 # worker's OpenMP threads share the cores with the other worker's, and the runtime's default idle policy spins a
@@ -17,6 +18,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from fastoptim.levels import LEVELS  # noqa: E402
 from fastoptim.registry import OPTIMIZERS  # noqa: E402
+from sampling import (cover, pytest_addoption, pytest_collection_modifyitems,  # noqa: E402, F401 (hooks)
+                      pytest_configure, pytest_report_header)
 
 # (optimizer name, option-set index, level): the parity matrix, straight from the registry
 MATRIX = [(name, i, level)
@@ -57,6 +60,25 @@ def pairwise_with(cases, values):
                 out.append((*c, value))
                 needed -= new
     return out
+
+
+_early_builds = []
+
+
+def pytest_sessionstart(session):
+    """Under pytest-xdist the controller, idle while the workers start and collect, builds the C++ bookkeeping
+    extension (fastoptim/bulk.py: about 20 s with cold caches) that the workers' first steps need; else one
+    worker builds it while the other waits on its lock. A failure here says nothing: the workers build it again
+    and report what fails."""
+    if getattr(session.config.option, "numprocesses", None) and not hasattr(session.config, "workerinput"):
+        from fastoptim import bulk
+        _early_builds.append(threading.Thread(target=bulk.unavailable, daemon=True))
+        _early_builds[-1].start()
+
+
+def pytest_sessionfinish(session):
+    for thread in _early_builds:  # (a build cut off mid-way leaves its temporary file in the cache folder)
+        thread.join()
 
 
 @pytest.fixture(params=DEVICES)

@@ -5,9 +5,12 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+@pytest.mark.slow
 def test_ab_times_a_tree_against_another_in_one_process():
     """This tree against itself (its src imported a second time, under another name): one line per config,
     each with both times and a ratio."""

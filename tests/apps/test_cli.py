@@ -43,6 +43,7 @@ def test_bench_quick_writes_json_and_markdown(tmp_path, capsys):
     assert "flat floor" in out and bench_report.environment_line(env) in out
 
 
+@pytest.mark.slow
 def test_bench_muon_reports_newton_schulz_flops_and_the_gemm_rate(tmp_path):
     out_json = tmp_path / "m.json"
     rc = main(["bench", "--quick", "-w", "mlp2000", "--params", "50k", "-o", "muon", "--impl", "loop", "fused",

@@ -49,6 +49,7 @@ ROUNDING_BANDS = {"stochastic": 0.065, "kahan": 0.02}
 NEAREST_STALLS_BY_AT_LEAST = 1.5  # percent: half the smallest gap measured, so the setting really tells them apart
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", [0, 1])
 def test_bf16_params_with_stochastic_or_kahan_rounding_end_closer_to_fp32_than_nearest(seed):
     reference = final_loss(seed, lr=3e-4)

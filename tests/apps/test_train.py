@@ -143,6 +143,7 @@ def test_model_options():
         model(torch.randint(0, 256, (1, 17)))
 
 
+@pytest.mark.slow
 def test_compiled_model_and_compiled_optimizer(tmp_path):
     # one layer: a second would be traced and compiled the same way again (10 s of a 57 s test, cold)
     summary = main(tiny(tmp_path, steps=3, compile=True, impl="compiled", sample_tokens=5, n_layer=1))

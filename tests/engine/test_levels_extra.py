@@ -45,6 +45,7 @@ def test_compiled_level_never_recompiles_over_1000_scheduled_steps(name, sched):
     assert frames_compiled() == compiled_before, "a scheduled step recompiled"
 
 
+@pytest.mark.sample(("name", "flat"), ("flat", "level"))
 @pytest.mark.parametrize("level", LEVELS)
 @pytest.mark.parametrize("name,flat", NAME_FLAT)
 def test_grad_scaler_end_to_end(name, level, flat):
@@ -172,6 +173,7 @@ def test_flat_sgd_loads_torch_state_with_first_step_semantics(saved_steps):
     assert_params_close(ours_p, ref_p)
 
 
+@pytest.mark.sample("name", "level")
 @pytest.mark.parametrize("level", LEVELS)
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
 def test_tensor_hyperparameters_match_floats(name, level):

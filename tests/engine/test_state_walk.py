@@ -215,6 +215,7 @@ def _needs(walk):
         pytest.importorskip(module, reason=f"{module} is not installed")
 
 
+@pytest.mark.sample
 @pytest.mark.parametrize("walk", WALKS, ids=lambda w: w.__name__)
 @pytest.mark.parametrize("bits,flat", [(b, f) for b in (32, *BITS) for f in (False, True)])
 def test_a_walk_over_the_state_leaves_the_optimizer_stepping_as_its_untouched_twin(walk, bits, flat):

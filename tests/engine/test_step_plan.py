@@ -47,6 +47,7 @@ ACTIONS = [(name, action) for name, spec in OPTIMIZERS.items()
            if action != "rewind_step" or spec.cls.rule.exports_step]
 
 
+@pytest.mark.sample("name", ("action", "level"), ("flat", "level"))
 @pytest.mark.parametrize("level", LEVELS)
 @pytest.mark.parametrize("name,action,flat", [(n, a, f) for n, a in ACTIONS for f in (False, True) if not f or n in FLAT])
 def test_state_reset_or_replaced_between_steps_is_what_steps(name, action, level, flat):
@@ -269,6 +270,7 @@ def test_step_count_reads_right_right_after_a_skipped_step(monkeypatch, flat):
     assert reads == [[1, 1], [1, 1], [2, 2], [2, 2]]
 
 
+@pytest.mark.sample("name", "level")
 @pytest.mark.parametrize("level", LEVELS)
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
 def test_float64_params_step_in_float64_at_every_level(name, level):

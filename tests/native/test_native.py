@@ -90,6 +90,7 @@ def test_kernels_read_the_system_headers_precompiled(tmp_path, monkeypatch):
     assert "immintrin.h" not in shown.stderr  # not parsed again
 
 
+@pytest.mark.slow
 @needs_compiler
 def test_a_kernel_builds_after_its_precompiled_header_is_gone_or_damaged(tmp_path, monkeypatch):
     """The cache folder changed (a test's tmp_path) or emptied while the process runs, or a damaged ``.gch``

@@ -98,6 +98,7 @@ def _assert_stored_equal(got, want, where):
 CONFIGS = ELEMENTWISE_CASES
 
 
+@pytest.mark.sample("name", "bits")
 @pytest.mark.parametrize("bits", (16, 8, 4))
 @pytest.mark.parametrize("name,option", CONFIGS)
 def test_the_kernel_gives_the_rules_ieee_math_on_the_stored_values_byte_for_byte(name, option, bits, shapes=SHAPES):
@@ -305,6 +306,7 @@ def test_an_unwritable_cache_folder_runs_staged_with_a_warning(monkeypatch, tmp_
         _fresh_kernels()
 
 
+@pytest.mark.slow
 def test_a_damaged_cached_kernel_is_built_again(tmp_path):
     """In fresh processes (a loaded library must not be cut short under the process that runs it)."""
     env = dict(os.environ, FASTOPTIM_CACHE=str(tmp_path))

@@ -288,6 +288,7 @@ def test_muon_recipe_under_grad_scaler_skips_inf_steps_in_both_algorithms():
             assert torch.equal(opt.state[p][k], v) if torch.is_tensor(v) else opt.state[p][k] == v, k
 
 
+@pytest.mark.sample("name", "level")
 @pytest.mark.parametrize("name", ["muon", "adafactor"])
 @pytest.mark.parametrize("level", LEVELS)
 def test_bf16_params_step_close_to_fp32(name, level):
@@ -371,6 +372,7 @@ def test_adafactor_factored_states_have_torchs_shapes_and_load_both_ways():
         fastoptim.Adafactor(_clone(ps)).load_state_dict(bad)
 
 
+@pytest.mark.sample("level", "rounding")
 @pytest.mark.parametrize("rounding", ["nearest", "stochastic", "kahan"])
 @pytest.mark.parametrize("level", LEVELS)
 def test_adafactor_default_eps1_is_the_stored_param_dtypes(level, rounding):

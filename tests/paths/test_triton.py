@@ -70,6 +70,7 @@ def test_interpreted_kernel_matches_loop_level_every_step(interpret, small_chunk
     assert starts == [0, tk.CHUNK]  # two programs over the long tensor: a full chunk, then 3 blocks and a tail
 
 
+@pytest.mark.slow
 def test_thousands_of_tensors_in_one_launch(interpret):
     g = torch.Generator().manual_seed(0)
     sizes = torch.randint(0, 300, (1500,), generator=g).tolist()
@@ -253,6 +254,7 @@ def _assert_16bit_stores_round_to_nearest(ptx: str, dtype: torch.dtype) -> None:
 VECTORS_PER_ARRAY = tk.BLOCK // (32 * tk.NUM_WARPS * 4)
 
 
+@pytest.mark.sample("name", "capability")
 @pytest.mark.parametrize("name,index,capability", pairwise_with(_group_patterns(), (90, 80)))
 def test_kernel_compiles_for_gpu_with_vector_access(name, index, capability):
     spec = OPTIMIZERS[name]
@@ -291,6 +293,7 @@ def test_twin_divides_with_div_rn_and_the_rule_keeps_its_operator():
     assert tk.triton_twin(update) is tk.triton_twin(update)  # built once per rule
 
 
+@pytest.mark.sample(("dtype", "capability"))
 @pytest.mark.parametrize("name,dtype,capability", pairwise_with(
     list(itertools.product(ELEMENTWISE, (torch.bfloat16, torch.float16))), (90, 80)))
 def test_half_precision_kernels_round_to_nearest_with_vector_access(name, dtype, capability):

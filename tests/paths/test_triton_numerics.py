@@ -66,6 +66,7 @@ def _run_pair(name, index, dtype, impl, steps=4):
         yield step, base, ours, base_p, ours_p, paths
 
 
+@pytest.mark.sample(("name", "index"), ("dtype", "impl"))
 @pytest.mark.parametrize("impl", ["fused", "auto"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.complex128], ids=["fp64", "complex128"])
 @pytest.mark.parametrize("name,index", ELEMENTWISE_CASES)
@@ -84,6 +85,7 @@ def test_fp64_steps_on_the_foreach_level(interpret, name, index, dtype, impl):
                                        rtol=1e-12)
 
 
+@pytest.mark.sample(("name", "dtype"), ("dtype", "impl"))
 @pytest.mark.parametrize("impl", ["fused", "auto"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.complex64], ids=["fp32", "complex64"])
 @pytest.mark.parametrize("name", ELEMENTWISE)
@@ -127,6 +129,7 @@ def _compare(ours: torch.Tensor, exact32: torch.Tensor, dtype: torch.dtype, what
         assert same >= 0.95, f"{what}: only {same:.3f} of the values are the nearest fp16"
 
 
+@pytest.mark.sample(("name", "dtype"))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("name,index", ELEMENTWISE_CASES)
 def test_16bit_kernel_step_is_the_loop_level_rounded_once(interpret, name, index, dtype):

@@ -116,6 +116,7 @@ def _make(spec, params, impl, bits, options):
         return None
 
 
+@pytest.mark.sample(("name", "option"), "bits")
 @pytest.mark.parametrize("bits", (16, 8, 4))
 @pytest.mark.parametrize("name,option", CONFIGS)
 def test_kernel_stores_the_ieee_oracles_bytes_and_matches_the_staged_loop_level(interpret, name, option, bits):
@@ -271,6 +272,7 @@ def test_plain_state_params_run_staged_beside_the_kernel(interpret, bits):
         _assert_same_stored(ours, base, params, base_p, f"step {step}")
 
 
+@pytest.mark.sample("name", "bits")
 @pytest.mark.parametrize("bits", (16, 8, 4))
 @pytest.mark.parametrize("name", ELEMENTWISE)
 def test_grad_scaler_unscales_in_the_kernel_and_a_skipped_step_stores_nothing(interpret, monkeypatch, name, bits):
@@ -410,6 +412,7 @@ V4_FP32 = PER_THREAD * 4 // 16
 GROUPS = {"sgd": dict(momentum=0.9)}
 
 
+@pytest.mark.sample("bits", "capability")
 @pytest.mark.parametrize("name,bits,capability", pairwise_with(list(itertools.product(ELEMENTWISE, (16, 8, 4))),
                                                                 (90, 80)))
 def test_kernel_compiles_for_gpu_with_vector_access_to_codes_and_values(name, bits, capability):
@@ -508,6 +511,7 @@ def _staged():
         levels.stored_path = real
 
 
+@pytest.mark.sample(("name", "rounding"), ("bits", "rounding"))
 @pytest.mark.parametrize("rounding", ("stochastic", "kahan"))
 @pytest.mark.parametrize("bits", (32, 16, 8, 4))
 @pytest.mark.parametrize("name", ELEMENTWISE)
@@ -586,6 +590,7 @@ def test_bf16_rounding_skips_a_grad_scaler_step_storing_nothing(interpret, round
         assert opt.state[ours_p[0]][storage.RNG].tolist()[1] == 2  # three steps, one skipped
 
 
+@pytest.mark.sample("capability")
 @pytest.mark.parametrize("capability", [80, 90])
 @pytest.mark.parametrize("bits", (16, 8, 4))
 def test_stochastic_rounding_kernel_compiles_with_vector_access_and_no_float_rounding(bits, capability):
@@ -607,6 +612,7 @@ def test_stochastic_rounding_kernel_compiles_with_vector_access_and_no_float_rou
     assert _count(ptx, r"\bshr\.u32\b") > _count(nearest, r"\bshr\.u32\b")
 
 
+@pytest.mark.sample("name", "bits")
 @pytest.mark.parametrize("bits", (16, 8, 4))
 @pytest.mark.parametrize("name", ELEMENTWISE)
 def test_tensor_hyperparameters_are_read_from_memory_by_the_kernel(interpret, name, bits):
@@ -679,6 +685,7 @@ def test_nan_and_inf_grads_store_what_the_staged_path_stores(interpret, bits):
     assert ours_p[0].isnan().any()  # the NaN really went through
 
 
+@pytest.mark.sample("capability")
 @pytest.mark.parametrize("capability", [80, 90])
 @pytest.mark.parametrize("bits", (16, 8, 4))
 def test_kahan_rounding_kernel_compiles_with_vector_access_and_no_float_rounding(bits, capability):

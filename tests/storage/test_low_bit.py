@@ -92,6 +92,7 @@ def test_per_step_error_against_32_bit_with_state_resynced(name, bits, device):
                      else {"QuantizedState", "Tensor"})
 
 
+@pytest.mark.sample(("name", "bits"), ("level", "bits"))
 @pytest.mark.parametrize("bits", BITS)
 @pytest.mark.parametrize("level", LEVELS)
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
@@ -121,6 +122,7 @@ def test_every_level_steps_low_bit_state_as_the_loop_level_does(name, level, bit
         assert any(isinstance(v, storage.QuantizedState) for s in base.state.values() for v in s.values())
 
 
+@pytest.mark.sample("name", "bits", "device")
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("bits", BITS)
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
@@ -388,6 +390,7 @@ def test_state_bits_edited_on_a_group_apply_at_the_next_step_and_are_checked():
 FLAT_SHAPES = [(80,), (48, 80), (3, 5), (64, 70), (7,)]  # 1-D and small params between the quantized ones
 
 
+@pytest.mark.sample("name", "bits")
 @pytest.mark.parametrize("bits", BITS)
 @pytest.mark.parametrize("name", FLAT)
 def test_flat_mode_steps_low_bit_state_as_without_it(name, bits):

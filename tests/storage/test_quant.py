@@ -188,6 +188,7 @@ def test_quantizing_dequantized_codes_gives_the_same_codes(qmap, block):
         assert quant.dequantize(codes, absmax, qmap, block, x.shape)[0, 0] == -3.0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("qmap,block", MAPS, ids=IDS)
 def test_the_cell_table_finds_the_nearest_code_of_every_fp32_in_a_sweep_of_bit_patterns(qmap, block):
     """``Encoder`` against the arg-min over the map in float64, on every 1021st fp32 bit pattern of [-1, 1]

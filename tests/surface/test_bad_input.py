@@ -99,6 +99,7 @@ def test_unknown_argument_is_named():
         fastoptim.AdamW(make_params(), beta=(0.9, 0.9))
 
 
+@pytest.mark.sample("name", "level")
 @pytest.mark.parametrize("level", LEVELS)
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
 def test_sparse_grad_refused_before_anything_changes(name, level):

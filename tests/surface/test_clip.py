@@ -43,6 +43,7 @@ def test_clip_grad_norm_edge_cases():
     torch.testing.assert_close(q.grad, torch.tensor([0.6, 0.8]), rtol=1e-5, atol=0)
 
 
+@pytest.mark.sample(("name", "flat"), ("flat", "level"))
 @pytest.mark.parametrize("level", LEVELS)
 @pytest.mark.parametrize("name,flat", NAME_FLAT)
 def test_max_grad_norm_in_step_matches_clip_then_step(name, level, flat):
@@ -73,6 +74,7 @@ def _cpu_path(rule, impl: str, routing: bool, dtype: torch.dtype) -> str:
     return "torch_fused" if TorchFused.declared(rule, dtype) else "foreach"
 
 
+@pytest.mark.sample("name", ("impl", "routing"), "dtypes")
 @pytest.mark.parametrize("routing", [False, True], ids=["own_paths", "routed"])
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("name", ["adamw", "adam", "sgd", "lion", "adagrad", "rmsprop"])

@@ -29,6 +29,7 @@ def _complex_case(name, complex_grad=True):
     return real, cplx
 
 
+@pytest.mark.sample("name", "level")
 @pytest.mark.parametrize("level", LEVELS)
 @pytest.mark.parametrize("name", REFUSE_COMPLEX)
 def test_complex_params_are_refused_at_the_step_as_torch_refuses_them(name, level):

@@ -79,6 +79,7 @@ def test_the_levels_get_the_named_scalars_in_updates_order():
     assert rule.flag_names == ("MAXIMIZE", "WEIGHT_DECAY", "DECOUPLED", "AMSGRAD")
 
 
+@pytest.mark.slow
 def test_a_rule_added_to_the_registry_gets_the_whole_matrix():
     """A test-only rule registered before collection (tests/registry_plugin.py) is collected by the parity,
     stateful, low-bit, CPU-kernel and Triton matrices with no test table edited, runs at the loop and fused

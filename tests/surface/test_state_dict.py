@@ -64,6 +64,7 @@ def test_fastoptim_checkpoint_loads_into_torch(name, index):
     assert_params_close(ours_p, torch_p)
 
 
+@pytest.mark.sample(("name", "index"), ("name", "load_level"), ("save_level", "load_level"))
 @pytest.mark.parametrize("save_level", ["loop", "fused"])
 @pytest.mark.parametrize("load_level", LEVELS)
 @pytest.mark.parametrize("name,index", CASES)

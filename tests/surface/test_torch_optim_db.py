@@ -238,6 +238,7 @@ def _run_and_compare(ours, ours_p, ref, ref_p, level, atol=1e-6):
         assert "loop" not in paths, paths
 
 
+@pytest.mark.sample(("name", "index"), "level")
 @pytest.mark.parametrize("level", LEVELS)
 @pytest.mark.parametrize("name,index", SAMPLE_CASES)
 def test_sample_inputs_step_like_torch(name, index, level):
