@@ -2,7 +2,7 @@
 
 A test marked ``@pytest.mark.sample(keys...)`` is a matrix the default run samples: of its cases it runs a few
 that together take every value of each key, a key being a tuple of the test's parameter names (by default every
-pair of them: pairwise coverage). A test marked ``slow`` (tens of seconds: a torchrun launch of the README's
+pair of them: pairwise coverage), on each device a matrix runs on. A test marked ``slow`` (tens of seconds: a torchrun launch of the README's
 command, a tool run whole) is left to the full run too. ``--full`` runs every case; ``--rest`` only what the
 default leaves out, so the default run and a ``--rest`` run check exactly what ``--full`` checks (CI runs both)."""
 
@@ -35,15 +35,28 @@ def pytest_report_header(config):
 
 def cover(rows, keys):
     """The indices of a few of ``rows`` (dicts of parameter values) that together take every value each key (a
-    tuple of names) takes over all rows: greedy set cover, the earliest row on a tie, so the same rows always."""
+    tuple of names) takes over all rows: greedy set cover. Among rows that cover as much, the one whose values the
+    rows taken so far hold least (so the levels, option sets and names spread over the sample instead of piling
+    on the first of each), then the earliest: the same rows every run."""
     wants = [{(key, tuple(repr(row[n]) for n in key)) for key in keys} for row in rows]
+    values = [[(n, repr(v)) for n, v in row.items()] for row in rows]
     uncovered = set().union(*wants) if wants else set()
-    chosen = []
+    chosen, used = [], {}
     while uncovered:
-        best = max(range(len(rows)), key=lambda i: (len(wants[i] & uncovered), -i))
+        best = max(range(len(rows)), key=lambda i: (len(wants[i] & uncovered),
+                                                    -sum(used.get(v, 0) for v in values[i]), -i))
         chosen.append(best)
         uncovered -= wants[best]
+        for v in values[best]:
+            used[v] = used.get(v, 0) + 1
     return sorted(chosen)
+
+
+def _params(item):
+    params = getattr(getattr(item, "callspec", None), "params", None)
+    if params is None:
+        raise pytest.UsageError(f"{item.nodeid}: marked sample, but it is not parametrized")
+    return params
 
 
 def pytest_collection_modifyitems(config, items):
@@ -54,17 +67,23 @@ def pytest_collection_modifyitems(config, items):
         marker = item.get_closest_marker("sample")
         if marker is not None:
             matrices.setdefault(item.nodeid.split("[")[0], (marker, []))[1].append(item)
-    left_out = set()
+    left_out = {id(item) for item in items if item.get_closest_marker("slow") is not None}
+    skipped = {id(item) for item in items if item.get_closest_marker("skip") is not None}
     for nodeid, (marker, cases) in matrices.items():
-        names = sorted(cases[0].callspec.params)
+        names = sorted(_params(cases[0]))
         keys = [tuple(k) if isinstance(k, (tuple, list)) else (k,) for k in marker.args]
         keys = keys or (list(itertools.combinations(names, 2)) if len(names) > 1 else [tuple(names)])
         unknown = {n for key in keys for n in key} - set(names)
         if unknown:
             raise pytest.UsageError(f"{nodeid}: sample keys {sorted(unknown)} are not among its parameters {names}")
-        chosen = set(cover([case.callspec.params for case in cases], keys))
-        left_out |= {id(case) for i, case in enumerate(cases) if i not in chosen}
-    left_out |= {id(item) for item in items if item.get_closest_marker("slow") is not None}
+        # a case left out or skipped anyway covers nothing; each device (the CPU, CUDA) gets a sample of its own
+        runnable = [case for case in cases if id(case) not in left_out | skipped]
+        by_device = {}
+        for case in runnable:
+            by_device.setdefault(repr(_params(case).get("device")), []).append(case)
+        for group in by_device.values():
+            chosen = set(cover([_params(case) for case in group], keys))
+            left_out |= {id(case) for i, case in enumerate(group) if i not in chosen}
     rest = config.getoption("rest")
     keep = [item for item in items if (id(item) in left_out) == rest]
     if len(keep) < len(items):

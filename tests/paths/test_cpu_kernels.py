@@ -98,7 +98,7 @@ def _assert_stored_equal(got, want, where):
 CONFIGS = ELEMENTWISE_CASES
 
 
-@pytest.mark.sample("name", "bits")
+@pytest.mark.sample(("name", "option"), "bits")
 @pytest.mark.parametrize("bits", (16, 8, 4))
 @pytest.mark.parametrize("name,option", CONFIGS)
 def test_the_kernel_gives_the_rules_ieee_math_on_the_stored_values_byte_for_byte(name, option, bits, shapes=SHAPES):

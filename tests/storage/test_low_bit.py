@@ -92,7 +92,7 @@ def test_per_step_error_against_32_bit_with_state_resynced(name, bits, device):
                      else {"QuantizedState", "Tensor"})
 
 
-@pytest.mark.sample(("name", "bits"), ("level", "bits"))
+@pytest.mark.sample(("name", "level"), ("level", "bits"))
 @pytest.mark.parametrize("bits", BITS)
 @pytest.mark.parametrize("level", LEVELS)
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
@@ -122,7 +122,7 @@ def test_every_level_steps_low_bit_state_as_the_loop_level_does(name, level, bit
         assert any(isinstance(v, storage.QuantizedState) for s in base.state.values() for v in s.values())
 
 
-@pytest.mark.sample("name", "bits", "device")
+@pytest.mark.sample("name", "bits")
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("bits", BITS)
 @pytest.mark.parametrize("name", list(OPTIMIZERS))

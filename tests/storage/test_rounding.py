@@ -182,7 +182,7 @@ def test_low_bit_state_with_stochastic_rounding_runs_the_staged_path():
     assert isinstance(opt.state[p]["exp_avg"], storage.QuantizedState)
 
 
-@pytest.mark.sample("impl", "bits", "device")
+@pytest.mark.sample("impl", "bits")
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("impl", LEVELS)

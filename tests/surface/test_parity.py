@@ -86,7 +86,7 @@ def _run_against_reference(name, index, level, device, steps, none_every, flat=F
     _assert_state_close(ours, ours_p, expected[-1][1], atol=1e-6, rtol=1e-5)
 
 
-@pytest.mark.sample(("name", "index"), ("name", "level"), "device")
+@pytest.mark.sample(("name", "index"), ("name", "level"))
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name,index,level", MATRIX)
 def test_matches_reference_every_step(name, index, level, device):
@@ -94,7 +94,7 @@ def test_matches_reference_every_step(name, index, level, device):
     _run_against_reference(name, index, level, device, STEPS, none_every=3, atol=atol)
 
 
-@pytest.mark.sample(("name", "index"), ("name", "level"), "device")
+@pytest.mark.sample(("name", "index"), ("name", "level"))
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("level", LEVELS)
 @pytest.mark.parametrize("name,index", CASES)
@@ -306,7 +306,7 @@ def _assert_within(actual, expected, bound, what):
                              f"|diff| {diff.flatten()[i].item():.3g} > bound {bound.flatten()[i].item():.3g}")
 
 
-@pytest.mark.sample(("name", "dtype"), ("level", "dtype"), "device")
+@pytest.mark.sample(("name", "dtype"), ("level", "dtype"))
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("level", LEVELS)
@@ -490,7 +490,7 @@ def test_lion_levels_compute_the_fp32_published_loop_and_differ_from_float64_by_
     assert fp32.tolist() == [0.0, -2 * lr, -2 * lr] and fp64.tolist() == [-2 * lr, -2 * lr, -2 * lr], (fp32, fp64)
 
 
-@pytest.mark.sample("name", "level", "device")
+@pytest.mark.sample("name", "level")
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("level", LEVELS)
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
@@ -516,7 +516,7 @@ def test_cache_blocked_large_tensors_match_torch(name, level, device):
     assert_params_close(ours_p, ref_p)
 
 
-@pytest.mark.sample(("name", "index"), ("name", "level"), "device")
+@pytest.mark.sample(("name", "index"), ("name", "level"))
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name,index,level", [(n, i, lv) for n, i, lv in MATRIX if n in FLAT])
 def test_flat_mode_matches_reference_every_step(name, index, level, device):

@@ -376,7 +376,7 @@ def test_user_programs_match_torch_on_the_triton_kernel(monkeypatch):
     _run(machine, max(EXAMPLES // 2, 5))
 
 
-@pytest.mark.sample("level", "bits", "device")
+@pytest.mark.sample("level", "bits")
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("bits", [16, 8, 4])
 @pytest.mark.parametrize("level", LEVELS)
