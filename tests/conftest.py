@@ -39,7 +39,8 @@ NAME_FLAT = [(name, flat) for name in OPTIMIZERS for flat in (False, True) if no
 # The devices the device-parametrized tests (parity, stateful, low-bit, rounding, integrations) run on: the CPU,
 # plus CUDA where there is one. Only devices that exist are listed, so a CPU machine shows no skipped CUDA cases
 # (nothing hidden behind a skip); a GPU machine runs the same tests against the same oracles on its real kernels
-# (``-k cuda`` picks those out). FASTOPTIM_TEST_DEVICES=cuda (comma-separated) narrows the list.
+# (``-k cuda`` picks those out; a sampled matrix is sampled on each device, ``--full`` runs every case).
+# FASTOPTIM_TEST_DEVICES=cuda (comma-separated) narrows the list.
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 if os.environ.get("FASTOPTIM_TEST_DEVICES"):
     DEVICES = [d for d in os.environ["FASTOPTIM_TEST_DEVICES"].split(",") if d in DEVICES]
