@@ -77,7 +77,7 @@ def pytest_collection_modifyitems(config, items):
         if unknown:
             raise pytest.UsageError(f"{nodeid}: sample keys {sorted(unknown)} are not among its parameters {names}")
         # a case left out or skipped anyway covers nothing; each device (the CPU, CUDA) gets a sample of its own
-        runnable = [case for case in cases if id(case) not in left_out | skipped]
+        runnable = [case for case in cases if id(case) not in left_out and id(case) not in skipped]
         by_device = {}
         for case in runnable:
             by_device.setdefault(repr(_params(case).get("device")), []).append(case)
