@@ -13,6 +13,7 @@ group's params, grads and states live in one buffer per (device, dtype) (``engin
 from __future__ import annotations
 
 import copy
+from contextlib import nullcontext
 from typing import Any, Callable, Iterable
 
 import torch
@@ -20,7 +21,7 @@ from torch import Tensor
 
 from . import bulk, clip, storage
 from .eager import eager
-from .engine import amp, dispatch, plan
+from .engine import amp, dispatch, plan, release
 from .engine.flat import FlatBucket
 from .paths import sharded
 from .rules import Rule
@@ -39,7 +40,8 @@ class FastOptimizer(torch.optim.Optimizer):
     def __init__(self, params: Iterable, impl: str = "auto", flat: bool = False,
                  max_grad_norm: float | None = None, state_bits: int | None = None,
                  min_quant_size: int = storage.MIN_QUANT_SIZE, rounding: str = "nearest",
-                 state_format: str | None = None, **hyper: Any):
+                 state_format: str | None = None, gradient_release: bool = False,
+                 release_bucket_mb: float | None = None, **hyper: Any):
         self.impl = dispatch.check_impl(impl)
         self.flat = bool(flat)
         self.state_bits = storage.state_bits_of(state_bits, state_format)  # param groups carry state_bits
@@ -54,7 +56,9 @@ class FastOptimizer(torch.optim.Optimizer):
         self.last_grad_norm: Tensor | None = None  # the global grad norm of the last step, with max_grad_norm
         self._flat_buckets: list[list[FlatBucket]] = []  # per param group, in flat mode
         self._pending_skips: list[tuple] = []  # (found_inf flag, event, what a skip takes back)
-        self._plans: dict[int, plan.Plan] = {}  # per group: the last step's buckets, reused while nothing changed
+        self._plans: dict = {}  # per group (and per released bucket): the last step's buckets, reused while nothing changed
+        self._release: release.Release | None = None
+        bucket_bytes = release.check(self, gradient_release, release_bucket_mb)
         defaults = dict(self.rule.defaults)
         unknown = set(hyper) - set(defaults)
         if unknown:
@@ -64,6 +68,19 @@ class FastOptimizer(torch.optim.Optimizer):
         self.rule.validate(defaults)
         self._group_defaults = {k: defaults.pop(k) for k in self.rule.group_only}
         super().__init__(params, defaults)
+        if gradient_release:
+            self._release = release.Release(self, bucket_bytes)
+            self._release.hook([p for group in self.param_groups for p in group["params"]])
+
+    @property
+    def gradient_release(self) -> bool:
+        """Whether the step runs inside backward (``engine.release``)."""
+        return self._release is not None
+
+    def accumulating(self):
+        """``with opt.accumulating(): loss.backward()``: with ``gradient_release``, this backward steps nothing and
+        its grads add up as usual; the next backward (or ``opt.step()``) steps on their sum. Without it, a no-op."""
+        return self._release.accumulating() if self._release is not None else nullcontext()
 
     # --- state: torch's mapping, counting its changes so the step plan never outlives it ---------------
 
@@ -86,7 +103,10 @@ class FastOptimizer(torch.optim.Optimizer):
 
     @property
     def _step_supports_amp_scaling(self) -> bool:
-        """Whether torch.amp.GradScaler hands ``step`` grad_scale/found_inf instead of unscaling itself (``amp``)."""
+        """Whether torch.amp.GradScaler hands ``step`` grad_scale/found_inf instead of unscaling itself (``amp``).
+        GradScaler asks it first in its ``step``: with ``gradient_release`` that is where it is refused."""
+        if self.__dict__.get("_release") is not None:
+            raise RuntimeError(f"{type(self).__name__}: {release.GRADSCALER_REFUSED}")
         return amp.scales_in_kernel(self)
 
     @property
@@ -150,6 +170,8 @@ class FastOptimizer(torch.optim.Optimizer):
         if self.rule.for_group(group).eager_state:
             for p in group["params"]:
                 self._init_state(p, group)
+        if self.__dict__.get("_release") is not None:
+            self._release.hook(group["params"])
 
     def _init_state(self, p: Tensor, group: dict) -> dict:
         state = self._state[p]
@@ -211,28 +233,50 @@ class FastOptimizer(torch.optim.Optimizer):
                 loss = closure()
         self._resolve_skips()
         work = [self._collect(index, group) for index, group in enumerate(self.param_groups)]  # validates
-        plans = [self._plan(index, group, params) for index, (group, params, _) in enumerate(work)]
+        self._run(list(enumerate(self.param_groups)), work)
+        return loss
+
+    @torch.no_grad()
+    def _release_step(self, params: list[Tensor]) -> list[Tensor]:
+        """A released bucket's step (``engine.release``): ``params`` step as ``step()`` steps them, each group's
+        in the order the group lists them. Returns the params stepped (those some group still holds)."""
+        self._resolve_skips()
+        where = {id(p): i for i, p in enumerate(params)}
+        chosen = [(index, group, [p for p in group["params"] if id(p) in where])
+                  for index, group in enumerate(self.param_groups)]
+        chosen = [(index, group, ps) for index, group, ps in chosen if ps]
+        work = [self._collect(index, group, ps) for index, group, ps in chosen]  # validates
+        self._run([(index, group) for index, group, _ in chosen], work, released=True)
+        return [p for _, _, ps in chosen for p in ps]
+
+    def _run(self, groups: list[tuple[int, dict]], work: list, released: bool = False) -> None:
+        """Plan (validating everything first), then run each group's step."""
+        keys = [index if not released else (index, tuple(map(id, params))) for (index, _), (_, params, _) in
+                zip(groups, work)]
+        if released and len(self._plans) > release.MAX_PLANS:  # buckets made up anew: keep the cache small
+            self._plans = {k: v for k, v in self._plans.items() if isinstance(k, int)}
+        plans = [self._plan(index, group, params, key) for key, (index, _), (group, params, _) in
+                 zip(keys, groups, work)]
         step_amp = dispatch.begin_step(self.impl, getattr(self, "found_inf", None),
                                        [self.rule.for_group(group) for group, _, _ in work],
                                        lambda: self._grad_mul(work))
         if step_amp is None:
-            return loss  # GradScaler saw inf/NaN grads: this step changes nothing
-        for index, (step_plan, (group, _, grads)) in enumerate(zip(plans, work)):
+            return  # GradScaler saw inf/NaN grads: this step changes nothing
+        for key, step_plan, (group, _, grads) in zip(keys, plans, work):
             if step_plan is not None:
-                self._commit(index, step_plan)
+                self._commit(key, step_plan)
                 bits, _, rounding = self._storage_settings(group)
                 dispatch.run_plan(self.impl, self.rule.for_group(group), step_plan, group, grads, step_amp, bits,
                                   rounding, self._entry_of)
         if step_amp.found_inf is not None:
             self._pending_skips.append(step_amp.pending())
-        return loss
 
-    def _plan(self, index: int, group: dict, params: list[Tensor]) -> plan.Plan | None:
+    def _plan(self, index: int, group: dict, params: list[Tensor], key=None) -> plan.Plan | None:
         """Last step's plan when nothing it was built from changed, else a new one (validated, not yet
-        committed: nothing has changed if the step stops here)."""
+        committed: nothing has changed if the step stops here). ``key``: where it is kept (default ``index``)."""
         if not params:
             return None
-        cached = self._plans.get(index)
+        cached = self._plans.get(index if key is None else key)
         rule = self.rule.for_group(group)
         shape = (rule, rule.active(group), self._storage_settings(group))  # what the plan's buckets follow from
         if cached is not None and cached.fits(params, shape, self._state):
@@ -251,14 +295,16 @@ class FastOptimizer(torch.optim.Optimizer):
         built.active = shape
         return built
 
-    def _commit(self, index: int, step_plan: plan.Plan) -> None:
+    def _commit(self, key, step_plan: plan.Plan) -> None:
         """A new plan's states put in place (its buckets' path caches start empty); kept for the next step."""
-        if self._plans.get(index) is not step_plan:
+        if self._plans.get(key) is not step_plan:
             step_plan.commit()
             if step_plan.reusable:
-                self._plans[index] = step_plan
+                self._plans[key] = step_plan
             else:
-                self._plans.pop(index, None)
+                self._plans.pop(key, None)
+        if self._release is not None:  # released buckets' plans overlap: one that steps a param outdates the others'
+            self._release.stepping(key, step_plan.params, self._plans)  # counts (a plan keeps its params' counts)
 
     def _entry_of(self, p: Tensor) -> tuple[dict, int, Tensor]:
         """The state dict, optimizer index and param of ``p`` (where a rounding keeps its own state)."""
@@ -289,20 +335,24 @@ class FastOptimizer(torch.optim.Optimizer):
         pending, self._pending_skips = self._pending_skips, []
         dispatch.resolve_skips(pending, self._state)
 
-    def _collect(self, index: int, group: dict) -> tuple[dict, list[Tensor], list[Tensor] | None]:
-        """The params that step (those whose grad is not None, as in torch.optim) and their grads (in the param's
-        dtype). Flat mode puts grads a user replaced back into the buffers first; where every param has its grad
-        there, the grads are None: the step reads the buffers."""
+    def _collect(self, index: int, group: dict, params: list[Tensor] | None = None
+                 ) -> tuple[dict, list[Tensor], list[Tensor] | None]:
+        """The params that step (those of ``params``, default the group's, whose grad is not None, as in
+        torch.optim) and their grads (in the param's dtype). Flat mode puts grads a user replaced back into the
+        buffers first; where every param has its grad there, the grads are None: the step reads the buffers."""
         self.rule.validate(group)
+        if params is None:
+            params = group["params"]
         if self.flat:
             buckets = self._flat_buckets[index] if index < len(self._flat_buckets) else []
             if all([bucket.repair_grads() for bucket in buckets]):  # (a list: every bucket is repaired)
                 return group, group["params"], None
-        params, grads, plain = bulk.with_grads(group["params"])
+        candidates = params
+        params, grads, plain = bulk.with_grads(candidates)
         if plain:
             return group, params, grads
         params, grads = [], []
-        for p in group["params"]:
+        for p in candidates:
             g = p.grad
             if g is None:
                 continue
@@ -405,7 +455,9 @@ class FastOptimizer(torch.optim.Optimizer):
         state = super().__getstate__()
         state.update(impl=self.impl, flat=self.flat, max_grad_norm=self.max_grad_norm,
                      state_bits=self.state_bits, min_quant_size=self.min_quant_size, rounding=self.rounding,
-                     _flat_buckets=self._flat_buckets, _group_defaults=self._group_defaults)
+                     _flat_buckets=self._flat_buckets, _group_defaults=self._group_defaults,
+                     gradient_release=self._release is not None,
+                     release_bucket_bytes=None if self._release is None else self._release.bucket_bytes)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -426,6 +478,13 @@ class FastOptimizer(torch.optim.Optimizer):
         if "_group_defaults" not in self.__dict__:  # pickled before group_only: those keys sat in defaults
             self._group_defaults = {k: self.defaults.pop(k, self.rule.defaults[k]) for k in self.rule.group_only}
         self._plans = {}
+        if "gradient_release" in self.__dict__:  # unpickled or deep-copied: hooks on its own params
+            released = self.__dict__.pop("gradient_release")
+            bucket_bytes = self.__dict__.pop("release_bucket_bytes", None)
+            self._release = release.Release(self, bucket_bytes) if released else None
+            if released:
+                self._release.hook([p for group in self.param_groups for p in group["params"]])
+        self.__dict__.setdefault("_release", None)  # (load_state_dict comes here too: its hooks stay)
         for buckets in self._flat_buckets:
             for bucket in buckets:
                 bucket.rehome()

@@ -22,7 +22,8 @@ from .rules import RULES, Rule
 # fastoptim's own constructor options, keyword-only, after torch's (``foreach`` and ``fused`` stay where a torch
 # class has them among its positional parameters)
 OWN_OPTIONS = dict(impl="auto", flat=False, max_grad_norm=None, state_bits=None, state_format=None,
-                   min_quant_size=4096, rounding="nearest", foreach=None, fused=None)
+                   min_quant_size=4096, rounding="nearest", gradient_release=False,
+                   release_bucket_mb=None, foreach=None, fused=None)
 
 
 def _impl(impl: str, foreach: bool | None, fused: bool | None) -> str:
@@ -64,7 +65,8 @@ def public_class(rule: Rule, module: str = __name__) -> type[FastOptimizer]:
         a = bound.arguments
         FastOptimizer.__init__(self, a["params"], _impl(a["impl"], a["foreach"], a["fused"]), a["flat"],
                                a["max_grad_norm"], a["state_bits"], a["min_quant_size"], a["rounding"],
-                               state_format=a["state_format"], **{name: a[name] for name in hyper})
+                               state_format=a["state_format"], gradient_release=a["gradient_release"],
+                               release_bucket_mb=a["release_bucket_mb"], **{name: a[name] for name in hyper})
 
     __init__.__signature__ = sig
     __init__.__qualname__ = f"{rule.class_name}.__init__"

@@ -1,0 +1,168 @@
+"""Gradient release: the step runs inside backward, bucket by bucket, as grads become ready.
+
+A hook on each param (``register_post_accumulate_grad_hook``: it fires once a backward has written the param's
+whole grad) puts the param in the *ready* bucket. When the bucket's grads reach ``bucket_bytes``, and at the end
+of backward (an autograd engine callback), the bucket steps through the optimizer's own step (``release_step``:
+the same plan, dispatcher and paths as ``opt.step()``, on those params alone) and its grads are freed together.
+So a model's grads never all live at once, and the step's math is the ordinary step's: each param steps once
+on its whole grad, with the hyper-parameters its group holds when its bucket steps.
+
+A backward under ``accumulating()`` (or while accelerate says the gradients do not sync) steps nothing: its
+grads add up as usual, and the next backward steps on their sum. ``opt.step()`` steps whatever has a grad left
+(a backward that accumulated, grads set by hand); ``zero_grad()`` stays valid.
+
+The hooks hold the optimizer weakly: an optimizer that is gone steps nothing, and its hooks are removed. A param
+is released by the newest optimizer that hooked it (``OWNERS``): an optimizer made anew over the same params (a
+reload, a trainer's setup run twice) takes over, and one not yet collected never steps them a second time.
+"""
+
+from __future__ import annotations
+
+import sys
+import weakref
+from contextlib import contextmanager
+from typing import Iterator
+
+import torch
+from torch import Tensor
+from torch.utils.weak import WeakIdKeyDictionary
+
+OWNERS = WeakIdKeyDictionary()  # param -> the Release that steps it (the newest to hook it)
+MAX_BUCKET_BYTES = 32 << 20   # the default bucket: 1/32 of the params' bytes, at most this
+MIN_BUCKET_BYTES = 64 << 10   # ... and at least this (a bucket of a few small tensors costs more calls than it saves)
+BUCKETS_PER_MODEL = 32
+
+
+def default_bucket_bytes(params: list[Tensor]) -> int:
+    """How many grad bytes a bucket collects before it steps: about 1/32 of the params' bytes (so about 97 % of
+    the grads are freed before the next ones are made), between 64 KiB and 32 MiB."""
+    total = sum(p.numel() * p.element_size() for p in params)
+    return int(min(MAX_BUCKET_BYTES, max(MIN_BUCKET_BYTES, total // BUCKETS_PER_MODEL)))
+
+
+def accelerate_accumulates() -> bool:
+    """Whether accelerate (HF Trainer drives it) says this backward accumulates: its ``GradientState`` (one state
+    shared by all its instances) has ``sync_gradients`` False between the optimizer steps of an accumulation
+    window. False where accelerate is not in use."""
+    state = sys.modules.get("accelerate.state")
+    shared = getattr(getattr(state, "GradientState", None), "_shared_state", None)
+    return bool(shared) and shared.get("sync_gradients", True) is False
+
+
+class Release:
+    """One optimizer's hooks and its ready bucket."""
+
+    def __init__(self, opt, bucket_bytes: int | None):
+        self._opt = weakref.ref(opt, lambda _: self.remove())
+        self.bucket_bytes = bucket_bytes
+        self.handles: dict[int, object] = {}  # id(param) -> its hook's handle
+        self.ready: list[Tensor] = []
+        self.ready_bytes = 0
+        self.queued_for = None  # the backward (autograd graph task) whose end steps what is left
+        self.paused = 0  # ``accumulating()`` depth
+        self.flushes = 0  # buckets stepped (tests check that release ran)
+        self.planned_by: dict[int, object] = {}  # id(param) -> the key of the cached plan that last stepped it
+
+    def hook(self, params) -> None:
+        """Hook each param not hooked yet (a param in two groups is refused by torch before it gets here)."""
+        for p in params:
+            if id(p) not in self.handles and p.requires_grad:
+                self.handles[id(p)] = p.register_post_accumulate_grad_hook(self._ready)
+                OWNERS[p] = self
+        if self.bucket_bytes is None:
+            self.bucket_bytes = default_bucket_bytes(self._params())
+
+    def _params(self) -> list[Tensor]:
+        opt = self._opt()
+        return [] if opt is None else [p for g in opt.param_groups for p in g["params"]]
+
+    def stepping(self, key, params: list[Tensor], plans: dict) -> None:
+        """The plan kept at ``key`` steps ``params``: any other cached plan that steps one of them keeps step counts
+        (and rounding state, host values) that this step outdates, so it is dropped."""
+        planned_by = self.planned_by
+        for p in params:
+            other = planned_by.get(id(p))
+            if other != key:
+                if other is not None:
+                    plans.pop(other, None)
+                planned_by[id(p)] = key
+
+    def remove(self) -> None:
+        for handle in self.handles.values():
+            handle.remove()
+        self.handles.clear()
+
+    @contextmanager
+    def accumulating(self) -> Iterator[None]:
+        self.paused += 1
+        try:
+            yield
+        finally:
+            self.paused -= 1
+
+    def _ready(self, p: Tensor) -> None:
+        opt = self._opt()
+        if opt is None or self.paused or OWNERS.get(p) is not self or accelerate_accumulates() or p.grad is None:
+            return
+        task = torch._C._current_graph_task_id()
+        if self.queued_for != task:  # a new backward: its end steps what is left
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+            self.queued_for = task
+            self.ready, self.ready_bytes = [], 0  # (left by a backward that raised: their grads stay for step())
+        self.ready.append(p)
+        self.ready_bytes += p.grad.numel() * p.grad.element_size()
+        if self.ready_bytes >= self.bucket_bytes:
+            self.flush(opt)
+
+    def _end_of_backward(self) -> None:
+        self.queued_for = None
+        opt = self._opt()
+        if opt is not None and self.ready:
+            self.flush(opt)
+
+    def flush(self, opt) -> None:
+        """Step the ready bucket, then free its grads."""
+        params, self.ready, self.ready_bytes = self.ready, [], 0
+        opt._release_step(params)  # (a step that raises leaves the grads for ``opt.step()``)
+        self.flushes += 1
+        for p in params:
+            p.grad = None
+
+
+MAX_PLANS = 256  # released buckets' plans kept (per optimizer); past it, they are dropped and made anew
+
+CLIP_REFUSED = ("max_grad_norm with gradient_release=True: each grad is freed as soon as its bucket steps, so the "
+                "global norm of all grads is not known when the first buckets step, and clipping by a norm of "
+                "some grads would be silently wrong. Choose one: max_grad_norm=None (no clipping), or "
+                "gradient_release=False (clipping inside opt.step(), exact)")
+GRADSCALER_REFUSED = ("torch.amp.GradScaler cannot drive an optimizer with gradient_release=True: its buckets step "
+                      "inside backward, before GradScaler has unscaled the grads or checked all of them for inf/NaN, "
+                      "and a step it would skip cannot be taken back without keeping every grad. The backward just "
+                      "run has stepped the params on scaled grads: reload them from a checkpoint. Use bf16 autocast "
+                      "(no GradScaler), or gradient_release=False")
+
+
+def check(opt, gradient_release, release_bucket_mb) -> int | None:
+    """The bucket size in bytes (None: the default), after refusing what release cannot do exactly."""
+    name = type(opt).__name__
+    if not isinstance(gradient_release, bool):
+        raise TypeError(f"{name}: gradient_release must be True or False, got {gradient_release!r}")
+    if release_bucket_mb is not None:
+        if not gradient_release:
+            raise ValueError(f"{name}: release_bucket_mb={release_bucket_mb!r} needs gradient_release=True")
+        if isinstance(release_bucket_mb, bool) or not isinstance(release_bucket_mb, (int, float)) \
+                or not release_bucket_mb > 0:
+            raise ValueError(f"{name}: Invalid release_bucket_mb: {release_bucket_mb!r} (must be a number > 0)")
+    if not gradient_release:
+        return None
+    if opt.flat:
+        raise ValueError(f"{name}: flat=True with gradient_release=True: flat mode keeps every grad as a view of one "
+                         "buffer per group, so freeing a bucket's grads frees no memory. Use one of them")
+    if opt.max_grad_norm is not None:
+        raise ValueError(f"{name}: {CLIP_REFUSED}")
+    if torch.distributed.is_available() and torch.distributed.is_initialized() \
+            and torch.distributed.get_world_size() > 1:
+        raise NotImplementedError(f"{name}: gradient_release=True under torch.distributed (world size "
+                                  f"{torch.distributed.get_world_size()}) is not supported yet: a bucket would "
+                                  "step before its all-reduce or reduce-scatter. Use gradient_release=False")
+    return None if release_bucket_mb is None else max(1, int(release_bucket_mb * (1 << 20)))

@@ -1,0 +1,354 @@
+"""Gradient release (``gradient_release=True``): the step inside backward, bucket by bucket.
+
+Every check compares a released run with the ordinary loop (backward, ``opt.step()``, ``zero_grad()``) on the
+same params, grads and level, bit for bit: params and the whole ``state_dict()`` after every step. The program
+is a real backward through a small nonlinear loss, so the hooks fire as they do in a model; one param gets a
+grad only every other step and one never does (neither may move, as in torch.optim).
+"""
+
+import copy
+import io
+import weakref
+
+import pytest
+import torch
+
+from conftest import make_params
+from fastoptim import AdamW, SGD
+from fastoptim.engine import release
+from fastoptim.levels import LEVELS, record_paths
+from fastoptim.registry import OPTIMIZERS
+
+CASES = [(name, i, level) for name, spec in OPTIMIZERS.items() for i in range(len(spec.option_sets))
+         for level in LEVELS]
+TINY = 1e-6  # release_bucket_mb: every param is its own bucket
+STEPS = 4
+
+
+def _params(name, dtype=torch.float32):
+    params = make_params(seed=3, dtype=dtype, name=name)
+    params.append(torch.nn.Parameter(torch.randn(4, 3, dtype=dtype)))  # reached every other step
+    params.append(torch.nn.Parameter(torch.randn(5, 2, dtype=dtype)))  # never reached: its grad stays None
+    return params
+
+
+def _weights(params, step):
+    g = torch.Generator().manual_seed(100 + step)
+    return [torch.randn(p.shape, generator=g).to(p.dtype) for p in params]
+
+
+def _backward(params, step, scale=1.0):
+    """A nonlinear loss over the params (grads depend on the params), reaching the last-but-one param every
+    other step and never the last."""
+    weights = _weights(params, step)
+    reached = params[:-2] + ([params[-2]] if step % 2 == 0 else [])
+    loss = sum((torch.tanh(p.float()) * w.float()).sum() * scale for p, w in zip(reached, weights))
+    loss.backward()
+
+
+def _assert_same(ours, theirs, opt_ours, opt_theirs, msg=""):
+    for i, (a, b) in enumerate(zip(ours, theirs, strict=True)):
+        assert torch.equal(a, b), f"{msg}: param {i} differs by {(a.float() - b.float()).abs().max().item()}"
+    _assert_same_state(opt_ours.state_dict(), opt_theirs.state_dict(), msg)
+
+
+def _assert_same_state(a, b, msg=""):
+    assert a["state"].keys() == b["state"].keys(), f"{msg}: {sorted(a['state'])} != {sorted(b['state'])}"
+    for index in a["state"]:
+        sa, sb = a["state"][index], b["state"][index]
+        assert sa.keys() == sb.keys(), (msg, index, sorted(sa), sorted(sb))
+        for k in sa:
+            va, vb = sa[k], sb[k]
+            if isinstance(va, torch.Tensor):
+                assert torch.equal(va, vb), f"{msg}: state {k!r} of param {index} differs"
+            else:
+                assert va == vb, (msg, index, k, va, vb)
+    assert [{k: v for k, v in g.items() if k != "params"} for g in a["param_groups"]] == \
+        [{k: v for k, v in g.items() if k != "params"} for g in b["param_groups"]]
+
+
+def _pair(name, opts, level, groups=None, dtype=torch.float32, **own):
+    """Released and ordinary optimizers of ``name`` over two copies of the same params."""
+    cls = OPTIMIZERS[name].cls
+    ours = _params(name, dtype)
+    theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+    split = groups or (lambda ps: ps)
+    released = cls(split(ours), impl=level, gradient_release=True, release_bucket_mb=own.pop("bucket_mb", TINY),
+                   **own, **opts)
+    ordinary = cls(split(theirs), impl=level, **own, **opts)
+    return ours, theirs, released, ordinary
+
+
+def _run(ours, theirs, released, ordinary, steps=STEPS, between=None, msg=""):
+    for step in range(steps):
+        _backward(ours, step)
+        assert all(p.grad is None for p in ours), "a released backward left grads behind"
+        released.step()  # (steps nothing: backward stepped every param with a grad)
+        released.zero_grad()
+        _backward(theirs, step)
+        ordinary.step()
+        ordinary.zero_grad()
+        _assert_same(ours, theirs, released, ordinary, f"{msg} step {step}")
+        if between is not None:
+            between(step)
+
+
+@pytest.mark.sample(("name", "index"), ("name", "level"))
+@pytest.mark.parametrize("name,index,level", CASES)
+def test_released_steps_match_the_ordinary_loop_bit_for_bit(name, index, level):
+    opts = OPTIMIZERS[name].option_sets[index]
+    ours, theirs, released, ordinary = _pair(name, opts, level)
+    _run(ours, theirs, released, ordinary, msg=f"{name}[{index}] {level}")
+    # a bucket per param (an empty one's 0 bytes join the next)
+    assert released._release.flushes >= STEPS * (len(ours) - 3), "the buckets did not step inside backward"
+    assert released.state.get(ours[-1], {}).get("step", 0) == 0, "a param that never had a grad stepped"
+
+
+@pytest.mark.parametrize("bucket_mb", [TINY, 2e-4, None])
+@pytest.mark.parametrize("level", LEVELS)
+def test_bucket_sizes_give_the_same_numbers(level, bucket_mb):
+    """Per-param buckets, buckets of a few params, and the default (the whole small model in one bucket at the
+    end of backward): the same numbers, with a bucket's params stepped by one dispatcher call."""
+    ours, theirs, released, ordinary = _pair("adamw", dict(lr=1e-2, weight_decay=0.1), level,
+                                            bucket_mb=bucket_mb)
+    _run(ours, theirs, released, ordinary)
+    flushes = released._release.flushes
+    reached = len(ours) - 2  # (on odd steps one fewer)
+    if bucket_mb == TINY:
+        assert flushes >= STEPS * (reached - 1)  # (an empty param's 0 bytes join the next bucket)
+    elif bucket_mb is None:
+        assert flushes == STEPS  # one bucket, at the end of each backward
+    else:
+        assert STEPS < flushes < STEPS * reached
+
+
+def test_a_bucket_frees_its_grads_before_the_next_grads_are_made():
+    """Grads never all live at once: at each bucket's step only that bucket's grads (and none of the stepped
+    ones) are alive."""
+    model = torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(6)])
+    opt = AdamW(model.parameters(), lr=1e-3, gradient_release=True, release_bucket_mb=32 * 33 * 4 / 2 ** 20)
+    alive = []
+    real = opt._release_step
+
+    def watched(params):
+        alive.append(sum(p.grad is not None for p in model.parameters()))
+        return real(params)
+
+    opt._release_step = watched
+    model(torch.randn(4, 32)).square().mean().backward()
+    assert len(alive) == 6, alive  # a bucket per layer (its weight and bias)
+    assert max(alive) == 2, alive
+    assert all(p.grad is None for p in model.parameters())
+
+
+@pytest.mark.parametrize("level", ["loop", "fused"])
+def test_schedulers_and_per_group_hyper_parameters(level):
+    """Two groups of different lr and weight decay under a scheduler that moves lr every step: a bucket reads its
+    group's lr when it steps, as ``opt.step()`` does."""
+    def groups(ps):
+        return [{"params": ps[:4], "lr": 1e-2}, {"params": ps[4:], "lr": 3e-3, "weight_decay": 0.0}]
+
+    ours, theirs, released, ordinary = _pair("adamw", dict(weight_decay=0.1), level, groups=groups)
+    scheds = [torch.optim.lr_scheduler.OneCycleLR(o, max_lr=[2e-2, 5e-3], total_steps=STEPS + 1)
+              for o in (released, ordinary)]
+
+    def advance(step):
+        for s in scheds:
+            s.step()
+        assert [g["lr"] for g in released.param_groups] == [g["lr"] for g in ordinary.param_groups]
+
+    _run(ours, theirs, released, ordinary, between=advance)
+
+
+@pytest.mark.sample()
+@pytest.mark.parametrize("bits", [16, 8, 4])
+@pytest.mark.parametrize("level", LEVELS)
+def test_low_bit_state(level, bits):
+    ours, theirs, released, ordinary = _pair("adamw", dict(lr=1e-2), level, state_bits=bits, min_quant_size=0)
+    _run(ours, theirs, released, ordinary, msg=f"{bits}-bit")
+
+
+@pytest.mark.parametrize("rounding", ["stochastic", "kahan"])
+@pytest.mark.parametrize("level", ["loop", "fused"])
+def test_rounded_bf16_params(level, rounding):
+    ours, theirs, released, ordinary = _pair("adamw", dict(lr=1e-2), level, dtype=torch.bfloat16,
+                                            rounding=rounding)
+    _run(ours, theirs, released, ordinary, msg=rounding)
+
+
+@pytest.mark.parametrize("level", ["loop", "fused"])
+def test_a_checkpoint_between_steps_resumes_as_a_straight_run(level):
+    """A released run saved after two steps and loaded into a new released optimizer (the old one gone) goes on
+    exactly as the ordinary run does."""
+    ours, theirs, released, ordinary = _pair("adamw", dict(lr=1e-2, weight_decay=0.1), level, state_bits=8,
+                                            min_quant_size=0)
+    _run(ours, theirs, released, ordinary, steps=2)
+    buffer = io.BytesIO()
+    torch.save(released.state_dict(), buffer)
+    buffer.seek(0)
+    resumed = AdamW(ours, impl=level, lr=1e-2, weight_decay=0.1, state_bits=8, min_quant_size=0,
+                    gradient_release=True, release_bucket_mb=TINY)
+    resumed.load_state_dict(torch.load(buffer))
+    flushed = released._release.flushes
+    assert resumed._release is not None and released._release.handles  # (both hooked; the newest steps)
+    for step in range(2, 5):
+        _backward(ours, step)
+        _backward(theirs, step)
+        ordinary.step()
+        ordinary.zero_grad()
+        _assert_same(ours, theirs, resumed, ordinary, f"resumed step {step}")
+    assert resumed._release.flushes and released._release.flushes == flushed  # the old one stepped nothing since
+
+
+@pytest.mark.parametrize("level", ["loop", "fused"])
+def test_gradient_accumulation_steps_on_the_sum(level):
+    """Three micro-batches: the first two accumulate (``accumulating()``), the last backward steps on the sum,
+    exactly as the ordinary loop steps after its three backwards."""
+    ours, theirs, released, ordinary = _pair("adamw", dict(lr=1e-2), level, state_bits=8, min_quant_size=0)
+    for step in range(3):
+        for micro in range(3):
+            if micro < 2:
+                with released.accumulating():
+                    _backward(ours, 10 * step + micro)
+                assert ours[0].grad is not None  # kept for the sum
+            else:
+                _backward(ours, 10 * step + micro)
+            _backward(theirs, 10 * step + micro)
+        assert all(p.grad is None for p in ours[:-3])
+        released.step()  # the param reached only in earlier micro-batches steps here, on its grad's sum
+        released.zero_grad()
+        ordinary.step()
+        ordinary.zero_grad()
+        _assert_same(ours, theirs, released, ordinary, f"step {step}")
+
+
+def test_accelerate_says_when_a_backward_accumulates(monkeypatch):
+    """HF Trainer and accelerate mark the micro-batches before an optimizer step with GradientState's
+    sync_gradients False: those backwards step nothing."""
+    accelerate_state = pytest.importorskip("accelerate.state")
+    state = accelerate_state.GradientState()
+    model = torch.nn.Linear(4, 2)
+    opt = SGD(model.parameters(), lr=0.1, gradient_release=True)
+    before = [p.detach().clone() for p in model.parameters()]
+    monkeypatch.setitem(state._shared_state, "sync_gradients", False)
+    model(torch.ones(4)).sum().backward()
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before))
+    assert all(p.grad is not None for p in model.parameters())
+    monkeypatch.setitem(state._shared_state, "sync_gradients", True)
+    grads = [2 * p.grad for p in model.parameters()]
+    model(torch.ones(4)).sum().backward()
+    assert all(torch.equal(p, b - 0.1 * g) for p, b, g in zip(model.parameters(), before, grads))
+
+
+def test_step_finishes_what_backward_did_not_step():
+    """Grads set by hand (no backward) step in ``opt.step()``, as with torch.optim."""
+    ours, theirs, released, ordinary = _pair("adamw", dict(lr=1e-2), "fused")
+    for p, q in zip(ours, theirs):
+        p.grad = torch.ones_like(p)
+        q.grad = torch.ones_like(q)
+    released.step()
+    ordinary.step()
+    _assert_same(ours, theirs, released, ordinary)
+
+
+def test_a_step_refused_in_backward_changes_nothing():
+    model = torch.nn.Linear(4, 2)
+    opt = AdamW(model.parameters(), lr=1e-2, gradient_release=True)
+    before = [p.detach().clone() for p in model.parameters()]
+    opt.param_groups[0]["lr"] = -1.0
+    with pytest.raises(ValueError, match="lr"):
+        model(torch.ones(4)).sum().backward()
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before))
+    assert not opt.state
+    opt.param_groups[0]["lr"] = 1e-2
+    opt.zero_grad()
+    model(torch.ones(4)).sum().backward()  # the next backward steps (the failed one left no bucket behind)
+    assert all(not torch.equal(a, b) for a, b in zip(model.parameters(), before))
+
+
+def test_refused_combinations_name_the_choices():
+    params = [torch.nn.Parameter(torch.randn(3))]
+    with pytest.raises(ValueError, match="max_grad_norm=None .*gradient_release=False"):
+        AdamW(params, gradient_release=True, max_grad_norm=1.0)
+    with pytest.raises(ValueError, match="flat=True"):
+        AdamW(params, gradient_release=True, flat=True)
+    with pytest.raises(ValueError, match="needs gradient_release=True"):
+        AdamW(params, release_bucket_mb=4)
+    for bad in (0, -1, True, "4"):
+        with pytest.raises(ValueError, match="release_bucket_mb"):
+            AdamW(params, gradient_release=True, release_bucket_mb=bad)
+    with pytest.raises(TypeError, match="gradient_release"):
+        AdamW(params, gradient_release="yes")
+
+
+def test_grad_scaler_is_refused_by_name():
+    """GradScaler's step asks the optimizer first whether it scales in its kernels: there it is told why not
+    (torch's own message would be "No inf checks were recorded")."""
+    model = torch.nn.Linear(4, 2)
+    opt = AdamW(model.parameters(), gradient_release=True)
+    scaler = torch.amp.GradScaler("cpu")
+    scaler.scale(model(torch.ones(4)).sum()).backward()
+    with pytest.raises(RuntimeError, match="GradScaler cannot drive an optimizer with gradient_release=True"):
+        scaler.step(opt)
+
+
+def test_refused_under_torch_distributed(monkeypatch):
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 2)
+    with pytest.raises(NotImplementedError, match="all-reduce"):
+        AdamW([torch.nn.Parameter(torch.randn(3))], gradient_release=True)
+
+
+def test_an_optimizer_that_is_gone_steps_nothing_and_a_new_one_takes_over():
+    model = torch.nn.Linear(4, 2)
+    old = SGD(model.parameters(), lr=0.1, gradient_release=True)
+    new = SGD(model.parameters(), lr=0.1, gradient_release=True)  # the old one still alive: it must not step
+    before = [p.detach().clone() for p in model.parameters()]
+    model(torch.ones(4)).sum().backward()
+    assert old._release.flushes == 0 and new._release.flushes == 1
+    grads = [torch.ones(2, 4), torch.ones(2)]
+    assert all(torch.equal(p, b - 0.1 * g) for p, b, g in zip(model.parameters(), before, grads))
+    gone = weakref.ref(new)
+    del new
+    assert gone() is None
+    before = [p.detach().clone() for p in model.parameters()]
+    model(torch.ones(4)).sum().backward()  # no optimizer releases these params now: grads stay, nothing steps
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before))
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def test_added_groups_and_copies_are_released_too():
+    model = torch.nn.Linear(4, 2)
+    opt = SGD([model.weight], lr=0.1, gradient_release=True)
+    opt.add_param_group({"params": [model.bias], "lr": 0.5})
+    model(torch.ones(4)).sum().backward()
+    assert model.weight.grad is None and model.bias.grad is None
+    copied = copy.deepcopy(opt)
+    assert copied.gradient_release and copied._release.handles
+    p = copied.param_groups[0]["params"][0]
+    before = p.detach().clone()
+    (p * 2).sum().backward()
+    assert p.grad is None and torch.equal(p, before - 0.1 * 2)
+    loaded = pickle_round_trip(opt)
+    assert loaded.gradient_release and loaded._release.bucket_bytes == opt._release.bucket_bytes
+
+
+def pickle_round_trip(obj):
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=False)
+
+
+def test_a_released_step_runs_the_paths_of_the_level():
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 4))
+    opt = AdamW(model.parameters(), lr=1e-3, impl="fused", state_bits=8, gradient_release=True)
+    with record_paths() as paths:
+        model(torch.randn(2, 64)).sum().backward()
+    assert "cpu_kernel" in paths, paths  # the 8-bit state's own kernel, as opt.step() runs it
+
+
+def test_default_bucket_is_a_thirty_second_of_the_params():
+    assert release.default_bucket_bytes([torch.empty(1 << 24)]) == (1 << 26) // 32
+    assert release.default_bucket_bytes([torch.empty(10)]) == release.MIN_BUCKET_BYTES
+    assert release.default_bucket_bytes([torch.empty(1 << 30, device="meta")]) == release.MAX_BUCKET_BYTES
