@@ -87,7 +87,9 @@ def run(args: argparse.Namespace) -> int:
           f"train loss {summary['final_loss']:.4f}  "
           f"val loss {summary['val_loss']:.4f}")
     print(f"{summary['tokens_per_s']:.0f} tokens/s, {summary['achieved_gflops']:.1f} GFLOP/s achieved, MFU {mfu}, "
-          f"optimizer step {summary['optimizer_share']:.1%} of the iteration")
+          f"optimizer step {summary['optimizer_share']:.1%} of the iteration"
+          + (" (with --gradient-release most of it runs inside backward)" if args.gradient_release else ""))
+    print(f"peak resident memory {summary['peak_rss_mb']:.0f} MiB (the whole process)")
     if "sample" in summary:
         print("--- sample ---")
         print(summary["sample"])

@@ -45,6 +45,7 @@ class TrainConfig:
     schedule: str = "warmup_cosine"    # warmup_cosine, wsd, linear, constant
     warmup: int = 100                  # warmup steps
     max_grad_norm: float | None = 1.0  # global-norm clipping inside the step; None: off
+    gradient_release: bool = False     # the step inside backward, bucket by bucket (needs --max-grad-norm none)
     batch_size: int = 16               # sequences per micro-batch
     grad_accum_steps: int = 1          # micro-batches per optimizer step
     steps: int = 2000                  # optimizer steps
@@ -135,6 +136,15 @@ def check_config(cfg: TrainConfig) -> None:
         raise ValueError(f"--flat rounds params to nearest; --rounding {cfg.rounding} needs it off")
     if cfg.ddp and cfg.fsdp:
         raise ValueError("choose one of --ddp and --fsdp")
+    if cfg.gradient_release:
+        refused = [(cfg.max_grad_norm is not None, f"--max-grad-norm {cfg.max_grad_norm} (clipping needs every grad; "
+                    "give --max-grad-norm none)"), (cfg.flat, "--flat (flat grads are one buffer: nothing is freed)"),
+                   (cfg.dtype == "fp16", "--dtype fp16 (GradScaler checks every grad before a step: use bf16)"),
+                   (cfg.ddp or cfg.fsdp, "--ddp/--fsdp (not yet: a bucket would step before its reduction)")]
+        why = [text for bad, text in refused if bad]
+        if why:
+            raise ValueError("--gradient-release steps inside backward and frees each grad at once; it cannot run "
+                             "with " + "; ".join(why))
     if cfg.fsdp and cfg.flat:
         raise ValueError("--flat keeps plain tensors in one buffer; FSDP2 shards them: use one or the other")
     if cfg.stop_after < 0:
@@ -238,7 +248,7 @@ def _train(cfg: TrainConfig, rank: int, world: int) -> dict:
         fully_shard(model)
     opt = factory.create(model, cfg.optimizer, lr=cfg.lr, weight_decay=cfg.weight_decay, impl=cfg.impl,
                          flat=cfg.flat, max_grad_norm=cfg.max_grad_norm, state_bits=state_bits(cfg),
-                         rounding=cfg.rounding)
+                         rounding=cfg.rounding, gradient_release=cfg.gradient_release)
     scheduler = schedules.Scheduler(opt, lr_schedule(cfg))
     scaler = torch.amp.GradScaler(device.type, enabled=cfg.dtype == "fp16")
     train_model = model
@@ -304,7 +314,8 @@ def _train(cfg: TrainConfig, rank: int, world: int) -> dict:
                     model.set_requires_gradient_sync(last)
                 with sync, autocast:
                     _, loss = train_model(x, y)
-                scaler.scale(loss / cfg.grad_accum_steps).backward()
+                with nullcontext() if last else opt.accumulating():  # (--gradient-release: the last backward steps)
+                    scaler.scale(loss / cfg.grad_accum_steps).backward()
             t_opt = now()
             scaler.step(opt)
             scaler.update()
@@ -344,6 +355,7 @@ def _train(cfg: TrainConfig, rank: int, world: int) -> dict:
         "tokens_per_s": tokens_per_s, "achieved_gflops": flops_per_token * tokens_per_s / 1e9,
         "mfu": flops_per_token * tokens_per_s / peak if peak else None,
         "optimizer_share": stats["opt_time"] / stats["step_time"] if stats["step_time"] else 0.0,
+        "peak_rss_mb": peak_rss_mb(),
         "log": log,
     }
     # FSDP2 gathers each block's params from every rank in a forward: every rank generates (the same tokens,
@@ -353,6 +365,15 @@ def _train(cfg: TrainConfig, rank: int, world: int) -> dict:
         if master:
             summary["sample"] = bytes(t % 256 for t in out).decode("utf-8", errors="replace")
     return summary
+
+
+def peak_rss_mb() -> float:
+    """The most resident memory this process has held so far, in MiB (its whole life: imports, data, model)."""
+    import resource
+    import sys
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+    return peak / (1 << 20) if sys.platform == "darwin" else peak / 1024
 
 
 def _generate(model, cfg: TrainConfig, device) -> list[int]:
