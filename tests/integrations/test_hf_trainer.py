@@ -105,12 +105,12 @@ def _decaying(opt):
     return torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.8 ** step)
 
 
-@pytest.mark.parametrize("accumulation", [1, 2])
+@pytest.mark.parametrize("accumulation", [1, 2, 3])
 def test_gradient_release_equals_the_step_after_backward(accumulation, tmp_path, device):
     """gradient_release=True under the Trainer (its clipping off: refused under release, see
     test_trainer_clipping_sees_no_grads_under_release): with accumulation, the Trainer's sync_gradients tells the
-    release hooks which micro-batch's backward steps; params, losses and LRs equal the same run without release,
-    bit for bit, and no grad is left after training."""
+    release hooks which micro-batch's backward steps (3: an epoch's 8 micro-batches end in a short window, where the
+    Trainer steps); params, losses and LRs equal the same run without release, bit for bit, and no grad is left."""
     extra = dict(max_grad_norm=0.0, gradient_accumulation_steps=accumulation, max_steps=4, save_strategy="no")
     released, losses, trainer = train(device, tmp_path / "r", _released(True), schedule=_decaying, **extra)
     ordinary, ordinary_losses, ordinary_trainer = train(device, tmp_path / "o", _released(False),
@@ -120,10 +120,24 @@ def test_gradient_release_equals_the_step_after_backward(accumulation, tmp_path,
     assert losses == ordinary_losses
     lrs = [[e["learning_rate"] for e in t.state.log_history if "learning_rate" in e] for t in (trainer, ordinary_trainer)]
     assert lrs[0] == lrs[1] and len(set(lrs[0])) == 4
+    assert [e["grad_norm"] for e in trainer.state.log_history if "grad_norm" in e] == [0.0] * 4  # (none left)
     opt = trainer.optimizer.optimizer  # (accelerate's wrapper)
     assert opt.gradient_release and opt._release.flushes > 0
     assert all(p.grad is None for p in released.parameters())
     assert opt.state_dict()["state"][0]["step"].item() == 4  # one step per optimizer step, not per micro-batch
+
+
+def test_gradient_release_in_the_trainers_own_optimizer(tmp_path, device):
+    """optimizer_cls_and_kwargs with gradient_release=True: the Trainer builds it (its decay groups), and the run
+    equals the same without release."""
+    extra = dict(max_grad_norm=0.0, gradient_accumulation_steps=2, max_steps=2, save_strategy="no")
+    kwargs = {"lr": 1e-3, "weight_decay": 0.01}
+    released, _, trainer = train(device, tmp_path / "r", cls_and_kwargs=(fastoptim.AdamW, {**kwargs,
+                                                                                          "gradient_release": True}),
+                                 **extra)
+    ordinary, _, _ = train(device, tmp_path / "o", cls_and_kwargs=(fastoptim.AdamW, kwargs), **extra)
+    assert trainer.optimizer.optimizer.gradient_release and len(trainer.optimizer.param_groups) == 2
+    assert all(torch.equal(a, b) for a, b in zip(released.state_dict().values(), ordinary.state_dict().values()))
 
 
 def test_trainer_clipping_sees_no_grads_under_release(tmp_path, device):
