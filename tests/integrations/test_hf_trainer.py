@@ -97,8 +97,7 @@ def test_clipping_in_the_step(flat, tmp_path, device):
 
 
 def _released(release: bool):
-    return lambda model: fastoptim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01,  # noqa: E731
-                                         gradient_release=release)
+    return lambda model: fastoptim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01, gradient_release=release)
 
 
 def _decaying(opt):
@@ -107,7 +106,7 @@ def _decaying(opt):
 
 @pytest.mark.parametrize("accumulation", [1, 2, 3])
 def test_gradient_release_equals_the_step_after_backward(accumulation, tmp_path, device):
-    """gradient_release=True under the Trainer (its clipping off: refused under release, see
+    """gradient_release=True under the Trainer (its clipping off: under release it would clip nothing, see
     test_trainer_clipping_sees_no_grads_under_release): with accumulation, the Trainer's sync_gradients tells the
     release hooks which micro-batch's backward steps (3: an epoch's 8 micro-batches end in a short window, where the
     Trainer steps); params, losses and LRs equal the same run without release, bit for bit, and no grad is left."""
@@ -118,7 +117,8 @@ def test_gradient_release_equals_the_step_after_backward(accumulation, tmp_path,
     for (name, a), b in zip(released.state_dict().items(), ordinary.state_dict().values(), strict=True):
         assert torch.equal(a, b), name
     assert losses == ordinary_losses
-    lrs = [[e["learning_rate"] for e in t.state.log_history if "learning_rate" in e] for t in (trainer, ordinary_trainer)]
+    lrs = [[e["learning_rate"] for e in t.state.log_history if "learning_rate" in e]
+           for t in (trainer, ordinary_trainer)]
     assert lrs[0] == lrs[1] and len(set(lrs[0])) == 4
     assert [e["grad_norm"] for e in trainer.state.log_history if "grad_norm" in e] == [0.0] * 4  # (none left)
     opt = trainer.optimizer.optimizer  # (accelerate's wrapper)

@@ -1,4 +1,5 @@
-"""Lightning with fastoptim: fit, checkpoint and resume equal a straight run; 32-bit equals torch.optim."""
+"""Lightning with fastoptim: fit, checkpoint and resume equal a straight run; 32-bit equals torch.optim; gradient
+release equals the run without it (with accumulation: through fastoptim.integrations.lightning's callback)."""
 
 from __future__ import annotations
 
@@ -75,8 +76,7 @@ def test_fit_resume(kind, precision, clip, tmp_path, device):
 
 
 def _adamw(release: bool):
-    return lambda module: fastoptim.AdamW(module.parameters(), lr=1e-3, weight_decay=0.01,  # noqa: E731
-                                          gradient_release=release)
+    return lambda module: fastoptim.AdamW(module.parameters(), lr=1e-3, weight_decay=0.01, gradient_release=release)
 
 
 def test_gradient_release_equals_the_step_after_backward(tmp_path, device):

@@ -53,7 +53,8 @@ class GradientRelease(pl.Callback):
                              "for inf. Use precision='bf16-mixed' or '32', or gradient_release=False")
         if trainer.strategy.handles_gradient_accumulation:
             raise ValueError(f"{name} with gradient_release=True under {type(trainer.strategy).__name__}, which "
-                             "accumulates grads itself: release cannot see its accumulation. Use gradient_release=False")
+                             "accumulates grads itself: release cannot see its accumulation. Use "
+                             "gradient_release=False")
         if not hasattr(trainer.fit_loop, "_should_accumulate"):  # (Lightning's own test, private: refuse, never guess)
             raise RuntimeError("fastoptim's GradientRelease needs Lightning's fit_loop._should_accumulate() "
                                f"(Lightning 2.x); lightning {pl.__version__} has none")
