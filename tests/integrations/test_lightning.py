@@ -91,7 +91,7 @@ def test_gradient_release_equals_the_step_after_backward(tmp_path, device):
     assert opt._release.flushes > 0 and all(p.grad is None for p in released.parameters())
 
 
-@pytest.mark.parametrize("accumulate", [2, 3])
+@pytest.mark.parametrize("accumulate", [1, 2, 3])
 def test_gradient_release_accumulates_with_the_callback(accumulate, tmp_path, device):
     """accumulate_grad_batches > 1: the callback holds the step through the backward of each micro-batch Lightning
     accumulates (3 batches an epoch: windows of 2 leave a short one at the epoch's end, where Lightning steps)."""
