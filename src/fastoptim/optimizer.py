@@ -227,10 +227,7 @@ class FastOptimizer(torch.optim.Optimizer):
     @eager(reason=STEP_NOT_TRACEABLE)
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = release.call_closure(self, closure)  # (with release: its backward is this step's)
         self._resolve_skips()
         work = [self._collect(index, group) for index, group in enumerate(self.param_groups)]  # validates
         self._run(list(enumerate(self.param_groups)), work)

@@ -222,6 +222,43 @@ def test_gradient_accumulation_steps_on_the_sum(level):
         _assert_same(ours, theirs, released, ordinary, f"step {step}")
 
 
+
+@pytest.mark.parametrize("level", ["loop", "fused"])
+def test_a_closure_backward_is_the_steps_own(level):
+    """``step(closure)`` (Lightning steps so): the closure's backward steps the buckets, and a backward held in
+    ``accumulating()`` before it adds up into that step, as in the ordinary closure loop."""
+    ours, theirs, released, ordinary = _pair("adamw", dict(lr=1e-2), level)
+    for step in range(3):
+        with released.accumulating():
+            _backward(ours, 10 * step)
+        _backward(theirs, 10 * step)
+        assert released.step(lambda: _backward(ours, 10 * step + 1) or 1.5) == 1.5
+        assert all(p.grad is None for p in ours[:-2])  # (the closure does not reach ours[-2]: step() stepped it)
+        ordinary.step(lambda: _backward(theirs, 10 * step + 1))
+        released.zero_grad()
+        ordinary.zero_grad()
+        _assert_same(ours, theirs, released, ordinary, f"step {step}")
+    assert released._release.flushes > 0
+
+
+def test_a_closure_step_after_a_released_backward_is_refused():
+    """A backward outside the closure that stepped since the last ``step()`` was meant to add up into this step
+    (Lightning's accumulating micro-batches): release stepped on it alone, so ``step(closure)`` refuses by name,
+    without running the closure. After a ``step()`` the next closure step is the loop's own again."""
+    model = torch.nn.Linear(4, 2)
+    opt = SGD(model.parameters(), lr=0.1, gradient_release=True)
+    closure = lambda: model(torch.ones(4)).sum().backward()  # noqa: E731
+    model(torch.ones(4)).sum().backward()
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match="outside the closure .*GradientRelease.*accumulating"):
+        opt.step(closure)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before))
+    opt.step(closure)  # (the refusal cleared it: the caller was told)
+    model(torch.ones(4)).sum().backward()
+    opt.step()
+    opt.step(closure)
+    assert opt._release.closures == 0
+
 def test_accelerate_says_when_a_backward_accumulates(monkeypatch):
     """HF Trainer and accelerate mark the micro-batches before an optimizer step with GradientState's
     sync_gradients False: those backwards step nothing."""

@@ -1,10 +1,12 @@
 """accelerate with fastoptim: save_state/load_state resume equals a straight run; a step GradScaler skips is reported
-as skipped and holds the LR, as with torch.optim."""
+as skipped and holds the LR, as with torch.optim; gradient release under accumulate() equals the loop without it."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+
+import fastoptim
 
 from .kinds import KIND_NAMES, KINDS, TinyLM, tokens
 
@@ -84,3 +86,36 @@ def test_grad_scaler_skip_is_reported(kind, device):
         assert (skipped, lrs) == (twin_skipped, twin_lrs)
         for a, b in zip(model.state_dict().values(), twin.state_dict().values()):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def accumulate_run(release: bool, device="cpu", steps=8):
+    """accelerate's own accumulation loop, two micro-batches per step (accumulate() sets sync_gradients before
+    each backward): with release the first backward of a window steps nothing, the second steps on the sum."""
+    acc = accelerate.Accelerator(cpu=device == "cpu", gradient_accumulation_steps=2)
+    torch.manual_seed(0)
+    model = TinyLM()
+    opt = fastoptim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01, gradient_release=release)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.8 ** s)
+    model, opt, sched = acc.prepare(model, opt, sched)
+    lrs = []
+    for i in range(steps):
+        ids = tokens(24, seed=i % 3)[:4].to(acc.device)
+        with acc.accumulate(model):
+            loss = torch.nn.functional.cross_entropy(model(ids[:, :-1]).flatten(0, 1), ids[:, 1:].flatten())
+            acc.backward(loss)
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+        lrs.append(sched.get_last_lr()[0])
+    return acc.unwrap_model(model), opt.optimizer, lrs
+
+
+def test_gradient_release_with_accumulate(device):
+    released, opt, lrs = accumulate_run(True, device)
+    GradientState._reset_state()
+    ordinary, _, ordinary_lrs = accumulate_run(False, device)
+    for (name, a), b in zip(released.state_dict().items(), ordinary.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+    assert lrs == ordinary_lrs and len(set(lrs)) == 5  # (the LR moves once per window)
+    assert opt._release.flushes > 0 and all(p.grad is None for p in released.parameters())
+    assert opt.state_dict()["state"][0]["step"].item() == 4  # a step per window of two micro-batches

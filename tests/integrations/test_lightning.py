@@ -1,4 +1,5 @@
-"""Lightning with fastoptim: fit, checkpoint and resume equal a straight run; 32-bit equals torch.optim."""
+"""Lightning with fastoptim: fit, checkpoint and resume equal a straight run; 32-bit equals torch.optim; gradient
+release equals the run without it (with accumulation: through fastoptim.integrations.lightning's callback)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import functools
 
 import pytest
 import torch
+
+import fastoptim
 
 from .kinds import KIND_NAMES, KINDS, TinyLM, tokens
 
@@ -37,7 +40,8 @@ def lightning_module():
     return pl, Module
 
 
-def fit(root, make_optimizer, precision="32", clip=None, resume=None, max_steps=6, device="cpu"):
+def fit(root, make_optimizer, precision="32", clip=None, resume=None, max_steps=6, device="cpu", callbacks=(),
+        checkpoint=True, **trainer_args):
     pl, Module = lightning_module()
     module = Module(make_optimizer)
     # one epoch is 3 steps: the checkpoint at step 3 ends an epoch, so a resumed run sees the same batches
@@ -45,8 +49,9 @@ def fit(root, make_optimizer, precision="32", clip=None, resume=None, max_steps=
     checkpoints = pl.callbacks.ModelCheckpoint(dirpath=root, every_n_train_steps=3, save_top_k=-1,
                                                filename="{step}")
     trainer = pl.Trainer(max_steps=max_steps, accelerator="cpu" if device == "cpu" else "gpu", devices=1, precision=precision,
-                         gradient_clip_val=clip, logger=False, callbacks=[checkpoints], enable_progress_bar=False,
-                         enable_model_summary=False, num_sanity_val_steps=0, deterministic=True)
+                         gradient_clip_val=clip, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                         callbacks=[checkpoints, *callbacks] if checkpoint else list(callbacks),
+                         enable_checkpointing=checkpoint, num_sanity_val_steps=0, deterministic=True, **trainer_args)
     trainer.fit(module, data, ckpt_path=resume)
     return module
 
@@ -68,3 +73,60 @@ def test_fit_resume(kind, precision, clip, tmp_path, device):
     if k.torch_twin is not None and precision == "32":
         twin = fit(tmp_path / "torch", k.torch_twin, precision, clip, device=device)
         assert straight.losses == pytest.approx(twin.losses, rel=1e-5, abs=1e-6)
+
+
+def _adamw(release: bool):
+    return lambda module: fastoptim.AdamW(module.parameters(), lr=1e-3, weight_decay=0.01, gradient_release=release)
+
+
+def test_gradient_release_equals_the_step_after_backward(tmp_path, device):
+    """Lightning runs the closure (training_step, zero_grad, backward) inside optimizer.step: the buckets step in
+    that backward, and the run equals the same run without release, bit for bit."""
+    released = fit(tmp_path / "r", _adamw(True), device=device, checkpoint=False)
+    ordinary = fit(tmp_path / "o", _adamw(False), device=device, checkpoint=False)
+    assert released.losses == ordinary.losses
+    for (name, a), b in zip(released.state_dict().items(), ordinary.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+    opt = released.trainer.optimizers[0]
+    assert opt._release.flushes > 0 and all(p.grad is None for p in released.parameters())
+
+
+@pytest.mark.parametrize("accumulate", [1, 2, 3])
+def test_gradient_release_accumulates_with_the_callback(accumulate, tmp_path, device):
+    """accumulate_grad_batches > 1: the callback holds the step through the backward of each micro-batch Lightning
+    accumulates (3 batches an epoch: windows of 2 leave a short one at the epoch's end, where Lightning steps)."""
+    from fastoptim.integrations.lightning import GradientRelease
+
+    extra = dict(accumulate_grad_batches=accumulate, device=device, checkpoint=False)
+    released = fit(tmp_path / "r", _adamw(True), callbacks=[GradientRelease()], **extra)
+    ordinary = fit(tmp_path / "o", _adamw(False), **extra)
+    assert released.losses == ordinary.losses
+    for (name, a), b in zip(released.state_dict().items(), ordinary.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+    opt = released.trainer.optimizers[0]
+    assert opt.state_dict()["state"][0]["step"].item() == 6  # max_steps optimizer steps, not one per micro-batch
+    assert opt._release.flushes > 0 and opt._release.paused == 0
+
+
+def test_accumulating_without_the_callback_is_refused(tmp_path, device):
+    """Without the callback, Lightning's first micro-batch of a window runs its backward outside optimizer.step and
+    release steps it: the window's step refuses (by then the params have moved: the message says so)."""
+    with pytest.raises(RuntimeError, match="accumulate_grad_batches > 1 .*GradientRelease"):
+        fit(tmp_path, _adamw(True), accumulate_grad_batches=2, device=device, checkpoint=False)
+
+
+@pytest.mark.parametrize("setting", ["clip", "grad_scaler"])
+def test_the_callback_refuses_what_release_cannot_do(setting, tmp_path, device):
+    """When fit starts, before any step: gradient_clip_val (it would clip released, None, grads: nothing) and a
+    GradScaler (it unscales and checks for inf after backward; the optimizer alone refuses it only after one)."""
+    pl, _ = lightning_module()
+    from fastoptim.integrations.lightning import GradientRelease
+
+    if setting == "clip":
+        extra, match = dict(clip=0.5), "gradient_clip_val=0.5.* clip nothing"
+    else:  # (Lightning makes fp16 bf16 on the CPU: the plugin, as it is on a GPU)
+        scaler = torch.amp.GradScaler(device)
+        extra = dict(precision=None, plugins=[pl.plugins.MixedPrecision("16-mixed", device, scaler=scaler)])
+        match = "GradScaler .*precision='16-mixed'"
+    with pytest.raises(ValueError, match=match):
+        fit(tmp_path, _adamw(True), callbacks=[GradientRelease()], device=device, checkpoint=False, **extra)

@@ -11,6 +11,11 @@ A backward under ``accumulating()`` (or while accelerate says the gradients do n
 grads add up as usual, and the next backward steps on their sum. ``opt.step()`` steps whatever has a grad left
 (a backward that accumulated, grads set by hand); ``zero_grad()`` stays valid.
 
+``step(closure)`` runs the closure's backward as this step's own (Lightning steps so). A backward outside any
+closure that stepped since the last ``step()`` then means its grads were meant to add up into this step (Lightning's
+accumulating micro-batches run their backward outside ``optimizer.step``, and nothing global says so): release
+already stepped on them, so that step is refused by name (``call_closure``), never taken as if all were well.
+
 The hooks hold the optimizer weakly: an optimizer that is gone steps nothing, and its hooks are removed. A param
 is released by the newest optimizer that hooked it (``OWNERS``): an optimizer made anew over the same params (a
 reload, a trainer's setup run twice) takes over, and one not yet collected never steps them a second time.
@@ -21,7 +26,7 @@ from __future__ import annotations
 import sys
 import weakref
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 from torch import Tensor
@@ -60,6 +65,8 @@ class Release:
         self.ready_bytes = 0
         self.queued_for = None  # the backward (autograd graph task) whose end steps what is left
         self.paused = 0  # ``accumulating()`` depth
+        self.closures = 0  # ``step(closure)`` closures running: their backward is that step's own
+        self.stepped_outside = False  # a bucket stepped outside any closure since the last ``step()``
         self.flushes = 0  # buckets stepped (tests check that release ran)
         self.planned_by: dict[int, object] = {}  # id(param) -> the key of the cached plan that last stepped it
 
@@ -125,6 +132,7 @@ class Release:
         params, self.ready, self.ready_bytes = self.ready, [], 0
         opt._release_step(params)  # (a step that raises leaves the grads for ``opt.step()``)
         self.flushes += 1
+        self.stepped_outside |= not self.closures
         for p in params:
             p.grad = None
 
@@ -140,6 +148,32 @@ GRADSCALER_REFUSED = ("torch.amp.GradScaler cannot drive an optimizer with gradi
                       "and a step it would skip cannot be taken back without keeping every grad. The backward just "
                       "run has stepped the params on scaled grads: reload them from a checkpoint. Use bf16 autocast "
                       "(no GradScaler), or gradient_release=False")
+ACCUMULATED_REFUSED = ("step(closure) after a backward outside the closure stepped the params since the last step(): "
+                       "its grads were meant to add up into this step (Lightning's accumulate_grad_batches > 1 runs "
+                       "the first micro-batches' backward outside optimizer.step), and gradient_release=True stepped "
+                       "on each of them alone. The params have moved: reload them from a checkpoint. Say which "
+                       "backward accumulates: in Lightning, callbacks=[fastoptim.integrations.lightning."
+                       "GradientRelease()]; elsewhere, `with opt.accumulating(): loss.backward()`")
+
+
+def call_closure(opt, closure) -> Any:
+    """``step(closure)``'s loss: the closure runs with grad enabled, as torch.optim's do. With release, its backward
+    steps the buckets as this step's own, and a step whose grads were partly released before is refused."""
+    rel = getattr(opt, "_release", None)
+    if rel is not None:
+        stepped_outside, rel.stepped_outside = rel.stepped_outside, False
+        if closure is not None and stepped_outside:
+            raise RuntimeError(f"{type(opt).__name__}: {ACCUMULATED_REFUSED}")
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        if rel is None:
+            return closure()
+        rel.closures += 1
+        try:
+            return closure()
+        finally:
+            rel.closures -= 1
 
 
 def check(opt, gradient_release, release_bucket_mb) -> int | None:
