@@ -238,10 +238,7 @@ class FastOptimizer(torch.optim.Optimizer):
         """A released bucket's step (``engine.release``): ``params`` step as ``step()`` steps them, each group's
         in the order the group lists them. Returns the params stepped (those some group still holds)."""
         self._resolve_skips()
-        where = {id(p): i for i, p in enumerate(params)}
-        chosen = [(index, group, [p for p in group["params"] if id(p) in where])
-                  for index, group in enumerate(self.param_groups)]
-        chosen = [(index, group, ps) for index, group, ps in chosen if ps]
+        chosen = self._release.by_group(self.param_groups, params)
         work = [self._collect(index, group, ps) for index, group, ps in chosen]  # validates
         self._run([(index, group) for index, group, _ in chosen], work, released=True)
         return [p for _, _, ps in chosen for p in ps]
@@ -250,7 +247,7 @@ class FastOptimizer(torch.optim.Optimizer):
         """Plan (validating everything first), then run each group's step."""
         keys = [index if not released else (index, tuple(map(id, params))) for (index, _), (_, params, _) in
                 zip(groups, work)]
-        if released and len(self._plans) > release.MAX_PLANS:  # buckets made up anew: keep the cache small
+        if released and len(self._plans) > self._release.max_plans():  # buckets made up anew: keep it small
             self._plans = {k: v for k, v in self._plans.items() if isinstance(k, int)}
         plans = [self._plan(index, group, params, key) for key, (index, _), (group, params, _) in
                  zip(keys, groups, work)]

@@ -389,3 +389,21 @@ def test_default_bucket_is_a_thirty_second_of_the_params():
     assert release.default_bucket_bytes([torch.empty(1 << 24)]) == (1 << 26) // 32
     assert release.default_bucket_bytes([torch.empty(10)]) == release.MIN_BUCKET_BYTES
     assert release.default_bucket_bytes([torch.empty(1 << 30, device="meta")]) == release.MAX_BUCKET_BYTES
+
+
+def test_groups_edited_by_hand_are_followed():
+    """A param moved to another group by hand steps with that group's hyper-parameters: a bucket's params are
+    found in the groups as they are when it steps."""
+    a, b = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(3))
+    opt = SGD([{"params": [a, b], "lr": 0.1}, {"params": [], "lr": 0.5}], gradient_release=True)
+    one = torch.ones(3)
+    (a.sum() + b.sum()).backward()
+    a1 = one.add(one, alpha=-0.1)
+    assert torch.equal(a, a1) and torch.equal(b, a1)
+    opt.param_groups[0]["params"] = [a]
+    opt.param_groups[1]["params"] = [b]
+    (a.sum() + b.sum()).backward()
+    assert torch.equal(a, a1.add(one, alpha=-0.1)) and torch.equal(b, a1.add(one, alpha=-0.5))
+    opt.param_groups[1]["params"] = []  # b in no group now: not stepped, its grad left as torch.optim leaves it
+    (a.sum() + b.sum()).backward()
+    assert torch.equal(b, a1.add(one, alpha=-0.5)) and torch.equal(b.grad, one)

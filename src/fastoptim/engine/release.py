@@ -54,6 +54,15 @@ def accelerate_accumulates() -> bool:
     return bool(shared) and shared.get("sync_gradients", True) is False
 
 
+def _holds(groups: list[dict], place: tuple[int, int], p: Tensor) -> bool:
+    index, position = place
+    return index < len(groups) and position < len(groups[index]["params"]) and groups[index]["params"][position] is p
+
+
+def _first(item: tuple) -> int:
+    return item[0]
+
+
 class Release:
     """One optimizer's hooks and its ready bucket."""
 
@@ -69,6 +78,7 @@ class Release:
         self.stepped_outside = False  # a bucket stepped outside any closure since the last ``step()``
         self.flushes = 0  # buckets stepped (tests check that release ran)
         self.planned_by: dict[int, object] = {}  # id(param) -> the key of the cached plan that last stepped it
+        self.places: dict[int, tuple[int, int]] = {}  # id(param) -> (group index, position), checked at each use
 
     def hook(self, params) -> None:
         """Hook each param not hooked yet (a param in two groups is refused by torch before it gets here)."""
@@ -82,6 +92,28 @@ class Release:
     def _params(self) -> list[Tensor]:
         opt = self._opt()
         return [] if opt is None else [p for g in opt.param_groups for p in g["params"]]
+
+    def by_group(self, groups: list[dict], params: list[Tensor]) -> list[tuple[int, dict, list[Tensor]]]:
+        """``params`` by param group: (group index, group, its params of ``params`` in the group's order), for the
+        groups that hold any (a param no group holds any more is left out). A param's place is looked up and
+        checked (the group's list may have been edited), not searched for: a bucket costs its own size, not the
+        model's."""
+        places, found = self.places, {}
+        for p in params:
+            place = places.get(id(p))
+            if place is None or not _holds(groups, place, p):
+                self.places = places = {id(q): (index, position) for index, group in enumerate(groups)
+                                        for position, q in enumerate(group["params"])}
+                place = places.get(id(p))
+                if place is None:
+                    continue
+            found.setdefault(place[0], []).append((place[1], p))
+        return [(index, groups[index], [p for _, p in sorted(found[index], key=_first)]) for index in sorted(found)]
+
+    def max_plans(self) -> int:
+        """How many released buckets' plans are kept: buckets are stable from step to step (at most one per param);
+        more means they are made up anew, and the cache is emptied rather than grown."""
+        return 2 * len(self.handles) + 64
 
     def stepping(self, key, params: list[Tensor], plans: dict) -> None:
         """The plan kept at ``key`` steps ``params``: any other cached plan that steps one of them keeps step counts
@@ -130,14 +162,12 @@ class Release:
     def flush(self, opt) -> None:
         """Step the ready bucket, then free its grads."""
         params, self.ready, self.ready_bytes = self.ready, [], 0
-        opt._release_step(params)  # (a step that raises leaves the grads for ``opt.step()``)
+        stepped = opt._release_step(params)  # (a step that raises leaves the grads for ``opt.step()``)
         self.flushes += 1
         self.stepped_outside |= not self.closures
-        for p in params:
+        for p in stepped:  # (a param no group holds any more kept its grad, as torch.optim's step keeps it)
             p.grad = None
 
-
-MAX_PLANS = 256  # released buckets' plans kept (per optimizer); past it, they are dropped and made anew
 
 CLIP_REFUSED = ("max_grad_norm with gradient_release=True: each grad is freed as soon as its bucket steps, so the "
                 "global norm of all grads is not known when the first buckets step, and clipping by a norm of "
