@@ -18,15 +18,30 @@ from .storage.state import is_dtensor
 def grad_norm(grads: list[Tensor], norm_type: float = 2.0) -> Tensor:
     """The ``norm_type``-norm of all ``grads`` taken together, as a 0-d tensor on the first grad's device."""
     norm_type = float(norm_type)
-    grads_with_elements = [g for g in grads if g.numel()]  # an empty tensor adds nothing (and has no inf-norm)
-    if not grads_with_elements:
-        return torch.tensor(0.0, device=grads[0].device if grads else None)
     by_key: dict[tuple, list[Tensor]] = {}
-    for g in grads_with_elements:
-        by_key.setdefault((g.device, g.dtype), []).append(g)
-    first = grads[0].device
-    norms = [n.to(first) for gs in by_key.values() for n in torch._foreach_norm(gs, norm_type)]
-    return torch.linalg.vector_norm(torch.stack(norms), norm_type)
+    for g in grads:
+        if g.numel():  # an empty tensor adds nothing (and has no inf-norm)
+            by_key.setdefault((g.device, g.dtype), []).append(g)
+    keyed = [(key, n) for key, gs in by_key.items() for n in torch._foreach_norm(gs, norm_type)]
+    return total_norm(keyed, grads[0].device if grads else None, norm_type)
+
+
+def tensor_norm(grad: Tensor, norm_type: float = 2.0) -> tuple[tuple, Tensor] | None:
+    """One grad's ``(key, norm)`` for ``total_norm`` (None for an empty grad), the value ``grad_norm`` takes for it
+    (on the CPU a multi-tensor norm is each tensor's own norm)."""
+    return None if not grad.numel() else ((grad.device, grad.dtype), torch._foreach_norm([grad], float(norm_type))[0])
+
+
+def total_norm(keyed: list[tuple[tuple, Tensor]], first: torch.device | None, norm_type: float = 2.0) -> Tensor:
+    """The norm of per-tensor norms ``keyed`` ((device, dtype), norm), taken as ``grad_norm`` takes them: by
+    (device, dtype) in the order each first appears, combined on ``first``, the first grad's device."""
+    if not keyed:
+        return torch.tensor(0.0, device=first)
+    by_key: dict[tuple, list[Tensor]] = {}
+    for key, n in keyed:
+        by_key.setdefault(key, []).append(n)
+    norms = [n.to(first) for ns in by_key.values() for n in ns]
+    return torch.linalg.vector_norm(torch.stack(norms), float(norm_type))
 
 
 def clip_factor(total_norm: Tensor, max_norm: float) -> Tensor:

@@ -230,21 +230,39 @@ class FastOptimizer(torch.optim.Optimizer):
         loss = release.call_closure(self, closure)  # (with release: its backward is this step's)
         self._resolve_skips()
         work = [self._collect(index, group) for index, group in enumerate(self.param_groups)]  # validates
-        self._run(list(enumerate(self.param_groups)), work)
+        norm = None if self._release is None else self._release.norm
+        factor = None if norm is None else norm.factor  # a measured window: what backward left steps by its factor
+        self._run(list(enumerate(self.param_groups)), work, grad_mul=factor)
+        if norm is not None:
+            norm.factor = None  # the window ends here
         return loss
+
+    def measure_grad_norm(self):
+        """``with opt.measure_grad_norm(): loss.backward(retain_graph=True)``, then ``loss.backward()``: with
+        ``gradient_release`` and ``max_grad_norm``, the first backward measures the global grad norm (and steps and
+        keeps nothing), the second steps each bucket clipped by it, exactly as ``opt.step()`` clips
+        (``engine.release_norm``)."""
+        if self._release is None or self.max_grad_norm is None:
+            raise RuntimeError(f"{type(self).__name__}.measure_grad_norm() measures the norm that gradient_release=True "
+                               "clips by with max_grad_norm; this optimizer has gradient_release="
+                               f"{self._release is not None}, max_grad_norm={self.max_grad_norm}: clip in opt.step()")
+        return self._release.measuring().measure()
 
     @torch.no_grad()
     def _release_step(self, params: list[Tensor]) -> list[Tensor]:
         """A released bucket's step (``engine.release``): ``params`` step as ``step()`` steps them, each group's
         in the order the group lists them. Returns the params stepped (those some group still holds)."""
         self._resolve_skips()
+        factor = None if self.max_grad_norm is None else self._release.measuring().take_factor()  # (or refused)
         chosen = self._release.by_group(self.param_groups, params)
         work = [self._collect(index, group, ps) for index, group, ps in chosen]  # validates
-        self._run([(index, group) for index, group, _ in chosen], work, released=True)
+        self._run([(index, group) for index, group, _ in chosen], work, released=True, grad_mul=factor)
         return [p for _, _, ps in chosen for p in ps]
 
-    def _run(self, groups: list[tuple[int, dict]], work: list, released: bool = False) -> None:
-        """Plan (validating everything first), then run each group's step."""
+    def _run(self, groups: list[tuple[int, dict]], work: list, released: bool = False,
+             grad_mul: Tensor | None = None) -> None:
+        """Plan (validating everything first), then run each group's step; ``grad_mul``: a clip factor measured
+        before (else the grads' own, with ``max_grad_norm``)."""
         keys = [index if not released else (index, tuple(map(id, params))) for (index, _), (_, params, _) in
                 zip(groups, work)]
         if released and len(self._plans) > self._release.max_plans():  # buckets made up anew: keep it small
@@ -253,7 +271,7 @@ class FastOptimizer(torch.optim.Optimizer):
                  zip(keys, groups, work)]
         step_amp = dispatch.begin_step(self.impl, getattr(self, "found_inf", None),
                                        [self.rule.for_group(group) for group, _, _ in work],
-                                       lambda: self._grad_mul(work))
+                                       lambda: self._grad_mul(work) if grad_mul is None else grad_mul)
         if step_amp is None:
             return  # GradScaler saw inf/NaN grads: this step changes nothing
         for key, step_plan, (group, _, grads) in zip(keys, plans, work):

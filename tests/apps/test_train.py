@@ -42,6 +42,22 @@ def test_resume_is_bit_identical(tmp_path, impl, flat):
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.parametrize("clip", [1.0, None])
+def test_gradient_release_trains_exactly_as_the_step_after_backward(tmp_path, clip):
+    """``--gradient-release`` (with accumulation, 8-bit state, and clipping through a measuring backward): the
+    same losses and params, bit for bit, as the ordinary loop; and it resumes from its checkpoint."""
+    run = dict(steps=6, state_bits=8, n_embd=64, sample_tokens=0, save_every=3, eval_every=3, grad_accum_steps=2,
+               max_grad_norm=clip)
+    ordinary = main(tiny(tmp_path / "a", **run))
+    main(tiny(tmp_path / "b", stop_after=3, gradient_release=True, **run))
+    released = main(tiny(tmp_path / "b", resume=True, gradient_release=True, **run))
+    assert [e["loss"] for e in released["log"]] == [e["loss"] for e in ordinary["log"]]
+    a = torch.load(tmp_path / "a" / "out" / "ckpt.pt", weights_only=False)
+    b = torch.load(tmp_path / "b" / "out" / "ckpt.pt", weights_only=False)
+    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+    assert released["peak_rss_mb"] > 0
+
+
 @pytest.mark.parametrize("bits", [16, 8, 4])
 def test_low_bit_state_trains_and_resumes_bit_identically(tmp_path, bits):
     """n_embd 64: the 64x64 and wider matrices hold 4096+ elements, so 8/4 bits quantize them."""
@@ -118,6 +134,9 @@ def test_flat_buffers_with_8_bit_state_train(tmp_path):
     (["--rounding", "stochastic"], "the params are fp32: add --dtype bf16"),
     (["--rounding", "stochastic", "--param-dtype", "fp16"], "for fp16 params use --rounding kahan"),
     (["--rounding", "kahan", "--dtype", "bf16", "--flat"], "--flat rounds params to nearest"),
+    (["--gradient-release", "--flat"], "cannot run with --flat"),
+    (["--gradient-release", "--dtype", "fp16"], "--dtype fp16 (GradScaler"),
+    (["--gradient-release", "--ddp"], "--ddp/--fsdp"),
 ])
 def test_bad_settings_get_a_clear_message(argv, message, capsys):
     assert cli(["train", *argv]) == 2

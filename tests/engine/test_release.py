@@ -305,8 +305,6 @@ def test_a_step_refused_in_backward_changes_nothing():
 
 def test_refused_combinations_name_the_choices():
     params = [torch.nn.Parameter(torch.randn(3))]
-    with pytest.raises(ValueError, match="max_grad_norm=None .*gradient_release=False"):
-        AdamW(params, gradient_release=True, max_grad_norm=1.0)
     with pytest.raises(ValueError, match="flat=True"):
         AdamW(params, gradient_release=True, flat=True)
     with pytest.raises(ValueError, match="needs gradient_release=True"):
@@ -407,3 +405,53 @@ def test_groups_edited_by_hand_are_followed():
     opt.param_groups[1]["params"] = []  # b in no group now: not stepped, its grad left as torch.optim leaves it
     (a.sum() + b.sum()).backward()
     assert torch.equal(b, a1.add(one, alpha=-0.5)) and torch.equal(b.grad, one)
+
+
+def _measured_backward(opt, params, step):
+    with opt.measure_grad_norm():
+        _backward(params, step)  # (a fresh graph each time here: the same one as retain_graph would keep)
+    _backward(params, step)
+
+
+@pytest.mark.parametrize("max_norm", [0.5, 1e3])  # clipped, and not
+@pytest.mark.parametrize("level", LEVELS)
+def test_global_norm_clipping_measured_in_a_first_backward_is_exact(level, max_norm):
+    """max_grad_norm with release: a measuring backward, then the stepping one, bit for bit the ordinary loop's
+    clipped step (params, state, the norm reported); with accumulation and a param reached only by an earlier
+    micro-batch, whose grad counts in the norm and steps in ``opt.step()`` by the same factor."""
+    ours, theirs, released, ordinary = _pair("adamw", dict(lr=1e-2, weight_decay=0.1), level, max_grad_norm=max_norm)
+    for step in range(3):
+        with released.accumulating():
+            _backward(ours, 10 * step + 1)  # reaches ours[-2] on odd... (10 * step + 1 is odd: not reached)
+            _backward([*ours[:-3], ours[-2], ours[-1]], 10 * step + 2)  # reaches ours[-2] here only
+        _measured_backward(released, ours, 10 * step + 3)
+        released.step()
+        released.zero_grad()
+        _backward(theirs, 10 * step + 1)
+        _backward([*theirs[:-3], theirs[-2], theirs[-1]], 10 * step + 2)
+        _backward(theirs, 10 * step + 3)
+        ordinary.step()
+        ordinary.zero_grad()
+        _assert_same(ours, theirs, released, ordinary, f"step {step}")
+        assert torch.equal(released.last_grad_norm, ordinary.last_grad_norm)
+    assert (ordinary.last_grad_norm > max_norm) == (max_norm < 1)  # (the clipped case clips)
+
+
+def test_clipping_without_a_measured_norm_is_refused_before_anything_steps():
+    model = torch.nn.Linear(4, 2)
+    opt = AdamW(model.parameters(), lr=1e-2, gradient_release=True, max_grad_norm=1.0)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match="(?s)not measured.*measure_grad_norm"):
+        model(torch.ones(4)).sum().backward()
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before)) and not opt.state
+    opt.zero_grad()
+    loss = model(torch.ones(4)).sum()
+    with opt.measure_grad_norm():
+        loss.backward(retain_graph=True)
+    assert all(p.grad is None for p in model.parameters())  # the measuring pass keeps no grad
+    loss.backward()
+    opt.step()
+    with pytest.raises(RuntimeError, match="not measured"):  # a window's norm serves that window only
+        model(torch.ones(4)).sum().backward()
+    with pytest.raises(RuntimeError, match="measures the norm"):
+        AdamW(model.parameters(), max_grad_norm=1.0).measure_grad_norm()

@@ -32,6 +32,8 @@ import torch
 from torch import Tensor
 from torch.utils.weak import WeakIdKeyDictionary
 
+from .release_norm import NormPass
+
 OWNERS = WeakIdKeyDictionary()  # param -> the Release that steps it (the newest to hook it)
 MAX_BUCKET_BYTES = 32 << 20   # the default bucket: 1/32 of the params' bytes, at most this
 MIN_BUCKET_BYTES = 64 << 10   # ... and at least this (a bucket of a few small tensors costs more calls than it saves)
@@ -79,6 +81,16 @@ class Release:
         self.flushes = 0  # buckets stepped (tests check that release ran)
         self.planned_by: dict[int, object] = {}  # id(param) -> the key of the cached plan that last stepped it
         self.places: dict[int, tuple[int, int]] = {}  # id(param) -> (group index, position), checked at each use
+        self.norm: NormPass | None = None  # max_grad_norm's measuring backward (``release_norm``)
+        if opt.max_grad_norm is not None:
+            self.measuring()
+
+    def measuring(self) -> NormPass:
+        """The norm pass's hooks (made at first use: ``max_grad_norm`` may be set after construction)."""
+        if self.norm is None:
+            self.norm = NormPass(self._opt())
+            self.norm.hook(self._params())
+        return self.norm
 
     def hook(self, params) -> None:
         """Hook each param not hooked yet (a param in two groups is refused by torch before it gets here)."""
@@ -86,6 +98,8 @@ class Release:
             if id(p) not in self.handles and p.requires_grad:
                 self.handles[id(p)] = p.register_post_accumulate_grad_hook(self._ready)
                 OWNERS[p] = self
+        if self.norm is not None:
+            self.norm.hook(params)
         if self.bucket_bytes is None:
             self.bucket_bytes = default_bucket_bytes(self._params())
 
@@ -130,6 +144,8 @@ class Release:
         for handle in self.handles.values():
             handle.remove()
         self.handles.clear()
+        if self.norm is not None:
+            self.norm.remove()
 
     @contextmanager
     def accumulating(self) -> Iterator[None]:
@@ -141,7 +157,9 @@ class Release:
 
     def _ready(self, p: Tensor) -> None:
         opt = self._opt()
-        if opt is None or self.paused or OWNERS.get(p) is not self or accelerate_accumulates() or p.grad is None:
+        if opt is None or OWNERS.get(p) is not self or self.norm is not None and self.norm.accumulated(p):
+            return
+        if self.paused or accelerate_accumulates() or p.grad is None:
             return
         task = torch._C._current_graph_task_id()
         if self.queued_for != task:  # a new backward: its end steps what is left
@@ -169,10 +187,6 @@ class Release:
             p.grad = None
 
 
-CLIP_REFUSED = ("max_grad_norm with gradient_release=True: each grad is freed as soon as its bucket steps, so the "
-                "global norm of all grads is not known when the first buckets step, and clipping by a norm of "
-                "some grads would be silently wrong. Choose one: max_grad_norm=None (no clipping), or "
-                "gradient_release=False (clipping inside opt.step(), exact)")
 GRADSCALER_REFUSED = ("torch.amp.GradScaler cannot drive an optimizer with gradient_release=True: its buckets step "
                       "inside backward, before GradScaler has unscaled the grads or checked all of them for inf/NaN, "
                       "and a step it would skip cannot be taken back without keeping every grad. The backward just "
@@ -222,8 +236,6 @@ def check(opt, gradient_release, release_bucket_mb) -> int | None:
     if opt.flat:
         raise ValueError(f"{name}: flat=True with gradient_release=True: flat mode keeps every grad as a view of one "
                          "buffer per group, so freeing a bucket's grads frees no memory. Use one of them")
-    if opt.max_grad_norm is not None:
-        raise ValueError(f"{name}: {CLIP_REFUSED}")
     if torch.distributed.is_available() and torch.distributed.is_initialized() \
             and torch.distributed.get_world_size() > 1:
         raise NotImplementedError(f"{name}: gradient_release=True under torch.distributed (world size "

@@ -45,7 +45,7 @@ class TrainConfig:
     schedule: str = "warmup_cosine"    # warmup_cosine, wsd, linear, constant
     warmup: int = 100                  # warmup steps
     max_grad_norm: float | None = 1.0  # global-norm clipping inside the step; None: off
-    gradient_release: bool = False     # the step inside backward, bucket by bucket (needs --max-grad-norm none)
+    gradient_release: bool = False     # the step inside backward, bucket by bucket (clipping: one more backward)
     batch_size: int = 16               # sequences per micro-batch
     grad_accum_steps: int = 1          # micro-batches per optimizer step
     steps: int = 2000                  # optimizer steps
@@ -137,8 +137,7 @@ def check_config(cfg: TrainConfig) -> None:
     if cfg.ddp and cfg.fsdp:
         raise ValueError("choose one of --ddp and --fsdp")
     if cfg.gradient_release:
-        refused = [(cfg.max_grad_norm is not None, f"--max-grad-norm {cfg.max_grad_norm} (clipping needs every grad; "
-                    "give --max-grad-norm none)"), (cfg.flat, "--flat (flat grads are one buffer: nothing is freed)"),
+        refused = [(cfg.flat, "--flat (flat grads are one buffer: nothing is freed)"),
                    (cfg.dtype == "fp16", "--dtype fp16 (GradScaler checks every grad before a step: use bf16)"),
                    (cfg.ddp or cfg.fsdp, "--ddp/--fsdp (not yet: a bucket would step before its reduction)")]
         why = [text for bad, text in refused if bad]
@@ -314,8 +313,12 @@ def _train(cfg: TrainConfig, rank: int, world: int) -> dict:
                     model.set_requires_gradient_sync(last)
                 with sync, autocast:
                     _, loss = train_model(x, y)
+                scaled = scaler.scale(loss / cfg.grad_accum_steps)
+                if last and cfg.gradient_release and cfg.max_grad_norm is not None:
+                    with opt.measure_grad_norm():  # the clip factor needs every grad: measured in a backward first
+                        scaled.backward(retain_graph=True)
                 with nullcontext() if last else opt.accumulating():  # (--gradient-release: the last backward steps)
-                    scaler.scale(loss / cfg.grad_accum_steps).backward()
+                    scaled.backward()
             t_opt = now()
             scaler.step(opt)
             scaler.update()
