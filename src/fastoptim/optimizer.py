@@ -23,6 +23,7 @@ from . import bulk, clip, storage
 from .eager import eager
 from .engine import amp, dispatch, plan, release
 from .engine.flat import FlatBucket
+from .loading import check_loaded
 from .paths import sharded
 from .rules import Rule
 from .storage.state import is_dtensor
@@ -78,8 +79,8 @@ class FastOptimizer(torch.optim.Optimizer):
         return self._release is not None
 
     def accumulating(self):
-        """``with opt.accumulating(): loss.backward()``: with ``gradient_release``, this backward steps nothing and
-        its grads add up as usual; the next backward (or ``opt.step()``) steps on their sum. Without it, a no-op."""
+        """``with opt.accumulating(): loss.backward()``: with ``gradient_release`` this backward steps nothing (its
+        grads add up; the next backward steps on the sum). Without it, a no-op."""
         return self._release.accumulating() if self._release is not None else nullcontext()
 
     # --- state: torch's mapping, counting its changes so the step plan never outlives it ---------------
@@ -238,14 +239,12 @@ class FastOptimizer(torch.optim.Optimizer):
         return loss
 
     def measure_grad_norm(self):
-        """``with opt.measure_grad_norm(): loss.backward(retain_graph=True)``, then ``loss.backward()``: with
-        ``gradient_release`` and ``max_grad_norm``, the first backward measures the global grad norm (and steps and
-        keeps nothing), the second steps each bucket clipped by it, exactly as ``opt.step()`` clips
-        (``engine.release_norm``)."""
+        """``with opt.measure_grad_norm(): loss.backward(retain_graph=True)``, then ``loss.backward()``: the norm that
+        ``gradient_release`` clips by with ``max_grad_norm``, measured exactly (``engine.release_norm``)."""
         if self._release is None or self.max_grad_norm is None:
             raise RuntimeError(f"{type(self).__name__}.measure_grad_norm() measures the norm that gradient_release=True "
-                               "clips by with max_grad_norm; this optimizer has gradient_release="
-                               f"{self._release is not None}, max_grad_norm={self.max_grad_norm}: clip in opt.step()")
+                               f"clips by; this optimizer has gradient_release={self._release is not None}, "
+                               f"max_grad_norm={self.max_grad_norm}: clip in opt.step()")
         return self._release.measuring().measure()
 
     @torch.no_grad()
@@ -265,7 +264,7 @@ class FastOptimizer(torch.optim.Optimizer):
         before (else the grads' own, with ``max_grad_norm``)."""
         keys = [index if not released else (index, tuple(map(id, params))) for (index, _), (_, params, _) in
                 zip(groups, work)]
-        if released and len(self._plans) > self._release.max_plans():  # buckets made up anew: keep it small
+        if released and len(self._plans) > self._release.max_plans():  # buckets made up anew: start again
             self._plans = {k: v for k, v in self._plans.items() if isinstance(k, int)}
         plans = [self._plan(index, group, params, key) for key, (index, _), (group, params, _) in
                  zip(keys, groups, work)]
@@ -442,7 +441,7 @@ class FastOptimizer(torch.optim.Optimizer):
         """torch.optim's checkpoints and fastoptim's at any ``state_bits``. How state is kept stays this
         optimizer's choice (its groups keep their ``state_bits`` and ``min_quant_size``): a saved state in
         another format is converted at the next step."""
-        kept = self._check_state_dict(state_dict)
+        kept = check_loaded(self, state_dict)
         # cloned so that stepping never writes into the caller's checkpoint dict; stored states (quantized,
         # 16-bit) go past torch's loader, which casts every state to the param's dtype
         kept_names = {(index, name) for index, _, name, _ in kept}
@@ -510,62 +509,3 @@ class FastOptimizer(torch.optim.Optimizer):
             for name in self.rule.host_states:  # floats, as the step count is
                 if isinstance(s.get(name), Tensor) and s[name].numel() == 1:
                     plan.quiet_set(s, name, s[name].item())
-
-    def _check_state_dict(self, state_dict: dict[str, Any]) -> list[tuple]:
-        """Everything torch.optim would only find halfway through loading, found before anything changes.
-        Returns the states to keep as saved, past torch's casting: (index, param, name, value), quantized
-        states checked and copied, and 16-bit ones where this optimizer keeps that state at 16 bits."""
-        if not isinstance(state_dict, dict) or "state" not in state_dict or "param_groups" not in state_dict:
-            raise ValueError("state_dict must be a dict with 'state' and 'param_groups' entries")
-        saved_groups = state_dict["param_groups"]
-        if len(saved_groups) != len(self.param_groups):
-            raise ValueError(f"loaded state dict has {len(saved_groups)} parameter groups, "
-                             f"this optimizer has {len(self.param_groups)}")
-        params, rules = [], {}
-        for i, (group, saved) in enumerate(zip(self.param_groups, saved_groups)):
-            if len(group["params"]) != len(saved["params"]):
-                raise ValueError(f"loaded state dict's parameter group {i} has {len(saved['params'])} params, "
-                                 f"this optimizer's has {len(group['params'])}")
-            merged = {**group, **{k: v for k, v in saved.items() if k != "params"}}
-            try:
-                self.rule.validate(merged)
-            except (ValueError, TypeError) as e:
-                raise ValueError(f"loaded state dict's parameter group {i}: {e}") from None
-            params += list(zip(saved["params"], group["params"]))
-            rules.update({id(p): self.rule.for_group(merged) for p in group["params"]})
-        by_id = dict(params)
-        group_of = {id(p): group for group in self.param_groups for p in group["params"]}
-        kept = []
-        for index, state in state_dict["state"].items():
-            if index not in by_id:
-                raise ValueError(f"loaded state dict has state for param {index!r}, which no group lists")
-            p = by_id[index]
-            plain, parts = storage.split_quantized(state)
-            for name, value in plain.items():
-                if name == "step" or name in self.rule.host_states or not isinstance(value, Tensor):
-                    continue
-                rule = rules[id(p)]
-                if name not in rule.state_names and name not in storage.ROUNDING_STATES:
-                    raise ValueError(f"loaded state dict has state {name!r} for param {index}, which its group's "
-                                     f"algorithm ({rule.name}) does not keep: it keeps {list(rule.state_names)}")
-                if name in storage.ROUNDING_STATES:
-                    why = storage.check_rounding_state(name, value.to(p.device), p)
-                    if why:
-                        raise ValueError(f"loaded state dict's {name!r} for param {index} {why}")
-                if name == storage.RNG:  # the rounding's random stream: [seed, draws]
-                    kept.append((index, p, name, value.clone()))  # past torch's loader, which casts to bf16
-                    continue
-                shape = rule.state_shape(name, p)
-                if shape is not None and tuple(value.shape) != shape:
-                    raise ValueError(f"loaded state dict's {name!r} for param {index} has shape "
-                                     f"{tuple(value.shape)}; it must have shape {shape} (the param has shape "
-                                     f"{tuple(p.shape)})")
-                if value.dtype != p.dtype and value.dtype == storage.codecs.of(
-                        self._state_format(p, name, group_of[id(p)])).tensor_dtype(p.dtype):  # kept as saved (bf16)
-                    kept.append((index, p, name, value.to(p.device, copy=True)))
-            for name, saved in parts.items():
-                try:
-                    kept.append((index, p, name, storage.import_quantized(name, saved, p)))
-                except ValueError as e:
-                    raise ValueError(f"loaded state dict's param {index}: {e}") from None
-        return kept
