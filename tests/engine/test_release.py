@@ -455,3 +455,27 @@ def test_clipping_without_a_measured_norm_is_refused_before_anything_steps():
         model(torch.ones(4)).sum().backward()
     with pytest.raises(RuntimeError, match="measures the norm"):
         AdamW(model.parameters(), max_grad_norm=1.0).measure_grad_norm()
+
+
+@pytest.mark.parametrize("bits", [32, 8])
+def test_buckets_step_on_the_triton_kernels_under_the_interpreter(monkeypatch, bits):
+    """The GPU path: with ``TRITON_INTERPRET=1`` the fused level runs its Triton kernels (plain, or loading and
+    storing 8-bit state) on CPU tensors; the released buckets take them, inside backward (each bucket's step runs
+    while autograd's graph task is live, the last one from its end-of-backward callback), bit for bit as the
+    ordinary loop."""
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    ours, theirs, released, ordinary = _pair("adamw", dict(lr=1e-2, weight_decay=0.1), "fused", state_bits=bits,
+                                            min_quant_size=0, bucket_mb=2e-4)
+    tasks = []
+    real = released._release_step
+
+    def watched(params):
+        tasks.append(torch._C._current_graph_task_id())
+        return real(params)
+
+    released._release_step = watched
+    with record_paths() as paths:
+        _run(ours, theirs, released, ordinary, steps=2)
+    assert ("triton" if bits == 32 else "triton_stored") in paths, paths
+    assert len(tasks) > 2 and all(t != -1 for t in tasks), tasks
