@@ -97,10 +97,13 @@ def _run(ours, theirs, released, ordinary, steps=STEPS, between=None, msg=""):
 @pytest.mark.parametrize("name,index,level", CASES)
 def test_released_steps_match_the_ordinary_loop_bit_for_bit(name, index, level):
     opts = OPTIMIZERS[name].option_sets[index]
-    ours, theirs, released, ordinary = _pair(name, opts, level)
+    # a bucket per param; compiled: one bucket at the end of backward, whose graph is the ordinary step's (a graph
+    # per param shape would be a cold build each; test_bucket_sizes_give_the_same_numbers runs one such case)
+    per_param = level != "compiled"
+    ours, theirs, released, ordinary = _pair(name, opts, level, bucket_mb=TINY if per_param else None)
     _run(ours, theirs, released, ordinary, msg=f"{name}[{index}] {level}")
-    # a bucket per param (an empty one's 0 bytes join the next)
-    assert released._release.flushes >= STEPS * (len(ours) - 3), "the buckets did not step inside backward"
+    # (an empty param's 0 bytes join the next bucket)
+    assert released._release.flushes >= (STEPS * (len(ours) - 3) if per_param else STEPS), "nothing stepped in backward"
     assert released.state.get(ours[-1], {}).get("step", 0) == 0, "a param that never had a grad stepped"
 
 
