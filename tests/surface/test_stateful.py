@@ -9,6 +9,10 @@ state read through ``optimizer.state`` and the whole ``state_dict()`` must agree
 
 Flat mode runs the same programs, None grads included: as in torch, a param whose grad is None is not stepped.
 
+With ``gradient_release`` the same programs also run real backwards that step the params they reach inside
+backward (per-param buckets or one), against torch stepping exactly those params after the same backward; a
+backward under ``accumulating()`` steps nothing, and ``step()`` steps what no backward stepped.
+
 With ``state_bits`` 16, 8 or 4 the same programs run with low-bit state (every matrix quantized), and
 torch's twin keeps each of its states rounded as fastoptim's storage keeps it (``_as_stored``): quantizing
 dequantized codes gives the same codes, so both sides hold the same values, and every state of a param that
@@ -35,6 +39,7 @@ from fastoptim.registry import OPTIMIZERS
 from fastoptim.reference import reference_class, reference_kwargs
 
 EXAMPLES = int(os.environ.get("FASTOPTIM_STATEFUL_EXAMPLES", "25"))
+RELEASE_EXAMPLES = max(EXAMPLES // 2, 5)  # (the release variant's budget in the default run)
 SHAPES = [(3, 2), (5,), (1,)]
 NEW_SHAPES = [(2, 3), (4,)]
 ATOL, RTOL = 1e-5, 1e-4  # a dozen steps of fp32 arithmetic in another order than torch's
@@ -60,17 +65,23 @@ class UserProgram(RuleBasedStateMachine):
     expected_path = None    # a path every step must take, where a level promises one
     state_bits = 32         # below 32: torch's twin keeps each state as the storage would (``_as_stored``)
     device = "cpu"          # where params, grads and state live (conftest.DEVICES); draws are made on the CPU
+    release = False         # gradient_release=True: backwards step the params they reach (``released_backward``)
 
     @initialize(name=st.sampled_from(sorted(OPTIMIZERS)), option=st.integers(0, 3), flat=st.booleans(),
-                seed=st.integers(0, 2 ** 16))
-    def build(self, name, option, flat, seed):
+                seed=st.integers(0, 2 ** 16), bucket_mb=st.sampled_from([1e-6, None]))
+    def build(self, name, option, flat, seed, bucket_mb=None):
         self.spec = spec = OPTIMIZERS[name]
         self.opts = dict(spec.option_sets[option % len(spec.option_sets)])
         if spec.params == "matrices" and self.opts.get("ns_dtype") is None:
             # Muon: these programs test the user's surface, not bf16 Newton-Schulz (tests/surface/test_parity.py,
             # tests/paths/test_stages.py), whose one-spacing differences would outgrow ATOL as lr doubles
             self.opts["ns_dtype"] = "float32"
-        flat = flat and name in FLAT  # (Adafactor refuses flat=True: its factored states are not param-shaped)
+        # (Adafactor refuses flat=True: its factored states are not param-shaped; gradient_release refuses it:
+        # freeing a bucket's grads would free nothing)
+        flat = flat and name in FLAT and not self.release
+        # release: 1e-6 MB makes each param its own bucket, None one bucket stepped at the end of backward
+        self.release_opts = dict(gradient_release=True, release_bucket_mb=bucket_mb) if self.release else {}
+        self.retired = []  # (release) optimizers a reload replaced, with their flush counts then: they step nothing
         self.shapes = lambda shapes: shapes_for(name, shapes)  # (Muon: matrices of the same sizes)
         low = {}
         if self.state_bits != 32:  # every matrix is quantized (flat mode: kept apart from the flat buffers)
@@ -82,7 +93,8 @@ class UserProgram(RuleBasedStateMachine):
         self.gen = torch.Generator().manual_seed(seed)
         self.ours_p = [torch.nn.Parameter(self._draw(s)) for s in self.shapes(SHAPES)]
         self.ref_p = [torch.nn.Parameter(p.detach().clone()) for p in self.ours_p]
-        self.ours = spec.cls(self._groups(self.ours_p), impl=self.level, flat=flat, **low, **self.opts)
+        self.ours = spec.cls(self._groups(self.ours_p), impl=self.level, flat=flat, **low, **self.opts,
+                             **self.release_opts)
         self.ref = reference_class(spec)(self._groups(self.ref_p), **self.opts, **reference_kwargs(spec))
         self.scalers = None
         self.added = 0
@@ -139,6 +151,7 @@ class UserProgram(RuleBasedStateMachine):
         self._set_grads(data)
         self._step(self.ours.step, self.ref.step)
 
+    @precondition(lambda self: not self.release)  # (refused with release: its buckets step before the unscale)
     @rule(data=st.data(), inf=st.booleans(), defer=st.booleans())
     def grad_scaler_step(self, data, inf, defer):
         if self.scalers is None:  # growth every 2 good steps: the scale moves both ways
@@ -209,8 +222,11 @@ class UserProgram(RuleBasedStateMachine):
         saved = torch.load(buffer)
         groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": list(g["params"])}
                   for g in self.ours.param_groups]
-        fresh = self.spec.cls(groups, impl=self.level, flat=self.flat, **self.low, **self.opts)
+        fresh = self.spec.cls(groups, impl=self.level, flat=self.flat, **self.low, **self.opts,
+                              **self.release_opts)
         fresh.load_state_dict(saved)
+        if self.release:  # kept alive: the newest optimizer over a param owns its release, the old one steps nothing
+            self.retired.append((self.ours, self.ours._release.flushes))
         self.ours = fresh
 
     @precondition(lambda self: self.added < 2)
@@ -235,16 +251,50 @@ class UserProgram(RuleBasedStateMachine):
             if b.grad is not None:
                 assert torch.equal(a.grad, b.grad)
 
+    def _draw_backward(self, data):
+        """Which params a backward reaches (often all: a whole model's backward), and the weights of its loss
+        ``sum((p * w).sum())`` over them."""
+        n = len(self.ours_p)
+        reached = [True] * n if data.draw(st.booleans(), label="the whole model") else \
+            data.draw(st.lists(st.booleans(), min_size=n, max_size=n), label="reached by the backward")
+        return reached, [self._draw(p.shape) for p in self.ref_p]
+
+    @staticmethod
+    def _backward(params, reached, weights):
+        terms = [(p * w).sum() for p, w, r in zip(params, weights, reached) if r]
+        if terms:
+            sum(terms).backward()
+
     @rule(data=st.data())
     def accumulate_a_backward(self, data):
-        """A backward adds into the grads there are and makes the missing ones (flat mode: on its buffer)."""
-        n = len(self.ours_p)
-        reached = data.draw(st.lists(st.booleans(), min_size=n, max_size=n), label="reached by the backward")
-        weights = [self._draw(p.shape) for p in self.ref_p]
-        for params in (self.ours_p, self.ref_p):
-            terms = [(p * w).sum() for p, w, r in zip(params, weights, reached) if r]
-            if terms:
-                sum(terms).backward()
+        """A backward adds into the grads there are and makes the missing ones (flat mode: on its buffer); with
+        release, under ``accumulating()``: it steps nothing."""
+        reached, weights = self._draw_backward(data)
+        with self.ours.accumulating():
+            self._backward(self.ours_p, reached, weights)
+        self._backward(self.ref_p, reached, weights)
+
+    @precondition(lambda self: self.release)
+    @rule(data=st.data())
+    def released_backward(self, data):
+        """A backward steps the params it reaches inside it (on the grads they had plus its own) and frees their
+        grads. torch's twin: the same backward, then a step of exactly those params (the others' grads hidden
+        from it), then their grads set to None."""
+        reached, weights = self._draw_backward(data)
+        self._backward(self.ref_p, reached, weights)
+        hidden = [None if r else b.grad for b, r in zip(self.ref_p, reached)]
+        for b, r in zip(self.ref_p, reached):
+            if not r:
+                b.grad = None
+        flushes = self.ours._release.flushes
+        self._step(lambda: self._backward(self.ours_p, reached, weights), self.ref.step)
+        for b, r, g in zip(self.ref_p, reached, hidden):
+            b.grad = None if r else g
+        assert all(a.grad is None for a, r in zip(self.ours_p, reached) if r), "a released backward left grads"
+        if any(reached):
+            assert self.ours._release.flushes > flushes, "no bucket stepped inside backward"
+        for old, then in self.retired:
+            assert old._release.flushes == then, "an optimizer a reload replaced stepped its params"
 
     def _check_stored_at_its_width(self, stepped):
         """The storage is really in use: every state of a param that stepped is kept as its format says."""
@@ -384,6 +434,26 @@ def test_user_programs_with_low_bit_state_match_torch_stored_alike(level, bits, 
     machine = type(f"UserProgram_{level}_{bits}bit", (UserProgram,), {"level": level, "state_bits": bits,
                                                                       "device": device})
     _run(machine, max(EXAMPLES // 2, 5))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("level", LEVELS)
+def test_user_programs_with_gradient_release_match_torch(level, device):
+    """Backwards that step what they reach (per-param buckets or one), accumulating backwards, ``step()`` over
+    grads set by hand, and reloads into a new released optimizer, between the usual actions."""
+    machine = type(f"UserProgram_{level}_release", (UserProgram,), {"level": level, "device": device,
+                                                                    "release": True})
+    _run(machine, RELEASE_EXAMPLES)
+
+
+@pytest.mark.sample("level", "bits")
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("bits", [16, 8, 4])
+@pytest.mark.parametrize("level", LEVELS)
+def test_user_programs_with_gradient_release_and_low_bit_state_match_torch_stored_alike(level, bits, device):
+    machine = type(f"UserProgram_{level}_{bits}bit_release", (UserProgram,), {
+        "level": level, "state_bits": bits, "device": device, "release": True})
+    _run(machine, max(RELEASE_EXAMPLES // 2, 5))
 
 
 @pytest.mark.parametrize("bits", [16, 8, 4])
