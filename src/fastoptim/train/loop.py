@@ -140,7 +140,7 @@ def check_config(cfg: TrainConfig) -> None:
         refused = [(cfg.max_grad_norm is not None, f"--max-grad-norm {cfg.max_grad_norm} (clipping needs every grad; "
                     "give --max-grad-norm none)"), (cfg.flat, "--flat (flat grads are one buffer: nothing is freed)"),
                    (cfg.dtype == "fp16", "--dtype fp16 (GradScaler checks every grad before a step: use bf16)"),
-                   (cfg.ddp or cfg.fsdp, "--ddp/--fsdp (not yet: a bucket would step before its reduction)")]
+                   (cfg.ddp, "--ddp (not yet: a bucket would step before its all-reduce; --fsdp can)")]
         why = [text for bad, text in refused if bad]
         if why:
             raise ValueError("--gradient-release steps inside backward and frees each grad at once; it cannot run "
