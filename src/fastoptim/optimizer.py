@@ -70,8 +70,10 @@ class FastOptimizer(torch.optim.Optimizer):
         self._group_defaults = {k: defaults.pop(k) for k in self.rule.group_only}
         super().__init__(params, defaults)
         if gradient_release:
+            params = [p for group in self.param_groups for p in group["params"]]
+            release.check(self, True, release_bucket_mb, params)  # (under torch.distributed: each one sharded)
             self._release = release.Release(self, bucket_bytes)
-            self._release.hook([p for group in self.param_groups for p in group["params"]])
+            self._release.hook(params)
 
     @property
     def gradient_release(self) -> bool:
@@ -137,6 +139,8 @@ class FastOptimizer(torch.optim.Optimizer):
             why = rule.check_param(p, candidate) if isinstance(p, Tensor) else None
             if why:
                 raise ValueError(why)
+        if self.__dict__.get("_release") is not None:
+            release.check(self, True, None, tensors)
         for p in tensors:  # a per-tensor stage on sharded params gathers each whole param-shaped tensor, only those
             if rule.stages and isinstance(p, Tensor) and is_dtensor(p) and sharded.shard_dim0(p):
                 for n in rule.state_names:

@@ -1,10 +1,11 @@
 """Run under torchrun (train_runs.py runs it first, for test_distributed.py): fastoptim under FSDP2 and ZeRO-1
-on CPU (gloo) must train exactly like a single process given the same data on every rank. Writes the max
-differences as JSON. ``levels`` narrows the levels checked: the default test run leaves the compiled level,
+on CPU (gloo) must train exactly like a single process given the same data on every rank, and gradient release
+under FSDP2 exactly like FSDP2 without it. Writes the max differences as JSON. ``levels`` narrows the levels checked: the default test run leaves the compiled level,
 whose cold Inductor builds in both ranks are much of the launch, to the full run."""
 
 import json
 import sys
+from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
@@ -134,6 +135,65 @@ def muon_checks(result, levels=LEVELS):
         result["muon shard(1) refused"] = str(e)
 
 
+def release_checks(result):
+    """gradient_release=True under FSDP2, against the same FSDP2 run without it. FSDP2 calls each sharded param's
+    post-accumulate-grad hooks after its reduce-scatter, so its bucket steps inside backward on the reduced grad:
+    bucket by bucket (tiny buckets: most step while backward still runs), at 32- and 8-bit state, with
+    accumulation either way, and Muon, whose gathers are collectives (every rank cuts the same buckets). DDP's
+    params, plain tensors, are refused, as is a plain param group added later."""
+    from torch.nn.parallel import DistributedDataParallel
+    from fastoptim.levels import record_paths
+    tiny = dict(gradient_release=True, release_bucket_mb=1e-3)  # about 1 KiB: a bucket of one weight or a few
+    for impl in ("loop", "fused"):
+        for bits in (32, 8):
+            low = dict(lr=1e-2, impl=impl, state_bits=bits, min_quant_size=0)
+            for micro, accumulate in [(1, None), (2, "no_sync"), (2, "accumulating")][:3 if impl == "fused" else 1]:
+                how = dict(steps=3, micro=micro, accumulate=accumulate)
+                net = shard(wide_model())
+                reference = train(net, fastoptim.AdamW(net.parameters(), **low), **how)
+                net, freed = shard(wide_model()), []
+                opt = fastoptim.AdamW(net.parameters(), **low, **tiny)
+                with record_paths() as paths:
+                    params = train(net, opt, freed=freed, **how)
+                result[f"release fsdp2 {impl} {bits}-bit {accumulate}"] = dict(
+                    diff=max_diff(params, reference), flushes=opt._release.flushes, freed=all(freed),
+                    paths=sorted(set(paths)))
+    # one FSDP2 group, the root's: its reduce-scatter, and so every hook, runs in FSDP2's end-of-backward callback,
+    # from which release queues its own (which steps what is left and must still run in this backward)
+    net = fully_shard(wide_model())
+    reference = train(net, fastoptim.AdamW(net.parameters(), lr=1e-2), steps=3)
+    net, freed = fully_shard(wide_model()), []
+    opt = fastoptim.AdamW(net.parameters(), lr=1e-2, gradient_release=True)
+    result["release fsdp2 root only"] = dict(diff=max_diff(train(net, opt, steps=3, freed=freed), reference),
+                                             flushes=opt._release.flushes, freed=all(freed))
+    net = shard(muon_model())
+    reference = train(net, muon(net, impl="fused"), steps=3)
+    net = shard(muon_model())
+    opt = muon(net, impl="fused", **tiny)
+    result["release fsdp2 muon"] = dict(diff=max_diff(train(net, opt, steps=3), reference),
+                                        flushes=opt._release.flushes)
+    try:
+        fastoptim.AdamW(DistributedDataParallel(model()).parameters(), gradient_release=True)
+        result["release ddp refused"] = ""
+    except NotImplementedError as e:
+        result["release ddp refused"] = str(e)
+    try:
+        fastoptim.AdamW(shard(model()).parameters(), gradient_release=True, max_grad_norm=1.0)
+        result["release fsdp2 clip refused"] = ""
+    except ValueError as e:
+        result["release fsdp2 clip refused"] = str(e)
+    net = shard(model())
+    opt = fastoptim.AdamW(list(net.parameters())[:2], gradient_release=True)
+    try:
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.randn(3))]})
+        result["release plain group refused"] = ""
+    except NotImplementedError as e:
+        result["release plain group refused"] = str(e)
+    unchanged = len(opt.param_groups), len(opt._release.handles)
+    opt.add_param_group({"params": list(net.parameters())[2:]})  # sharded: released too
+    result["release groups added"] = [unchanged, [len(opt.param_groups), len(opt._release.handles)]]
+
+
 def shard(net):
     for layer in net:
         if isinstance(layer, torch.nn.Linear):
@@ -142,12 +202,23 @@ def shard(net):
     return net
 
 
-def train(net, opt, steps=4, dtype=torch.float32):
+def train(net, opt, steps=4, dtype=torch.float32, micro=1, accumulate=None, freed=None):
+    """``micro`` micro-batches per step; the first ones accumulate as ``accumulate`` says: "no_sync" (FSDP2 keeps
+    their grads unsharded and reduce-scatters the sum at the last), or "accumulating" (each is reduce-scattered and
+    added into the sharded grad; ``opt.accumulating()`` around its backward). ``freed``: a list that gets, after
+    each step's backward, whether every grad is None."""
     g = torch.Generator().manual_seed(1)
     inputs = net[0].in_features
     for _ in range(steps):
-        x = torch.randn(8, inputs, generator=g).to(dtype)  # the same batch on every rank
-        net(x).pow(2).mean().backward()
+        for m in range(micro):
+            last = m == micro - 1
+            x = torch.randn(8, inputs, generator=g).to(dtype)  # the same batch on every rank
+            if accumulate == "no_sync":
+                net.set_requires_gradient_sync(last)
+            with opt.accumulating() if accumulate == "accumulating" and not last else nullcontext():
+                net(x).pow(2).mean().backward()
+        if freed is not None:
+            freed.append(all(p.grad is None for p in net.parameters()))
         opt.step()
         opt.zero_grad()
     return [p.full_tensor() if hasattr(p, "full_tensor") else p.detach() for p in net.parameters()]
@@ -195,6 +266,7 @@ def main(out_path, levels=LEVELS):
             result[f"fsdp2 {impl} bf16 {rounding}"] = max((a.float() - b.float()).abs().max().item()
                                                           for a, b in zip(params, reference))
     muon_checks(result, levels)
+    release_checks(result)
     if dist.get_rank() == 0:
         with open(out_path, "w") as f:
             json.dump(result, f)

@@ -1,6 +1,7 @@
 """torch.distributed with fastoptim, two processes on this CPU (gloo): FSDP2 and ZeRO-1 train exactly like one
-process, `fastoptim train --ddp` and `--fsdp` run under torchrun and resume bit-identically, and the README's
-distributed command runs to the end.
+process, gradient release under FSDP2 exactly like the step after backward (DDP's is refused), `fastoptim train
+--ddp` and `--fsdp` run under torchrun and resume bit-identically, and the README's distributed command runs to
+the end.
 
 Starting a torchrun launch (torchrun and each rank import torch) costs far more than these tiny runs, so the
 tests share launches: three of train_runs.py run dist_worker.py's parity checks and the `fastoptim train` runs
@@ -158,6 +159,53 @@ def test_a_step_counts_as_an_in_place_write_to_sharded_params(dist_results, labe
     assert dist_results[f"sharded write counted: {label}"] is True
 
 
+RELEASED = [("loop", 32, None), ("loop", 8, None)] + [("fused", bits, accumulate) for bits in (32, 8)
+                                                       for accumulate in (None, "no_sync", "accumulating")]
+
+
+@pytest.mark.parametrize("impl,bits,accumulate", RELEASED)
+def test_fsdp2_gradient_release_matches_the_step_after_backward_bit_for_bit(dist_results, impl, bits, accumulate):
+    """gradient_release=True on a model fully_shard-ed before the optimizer is made: FSDP2 calls each sharded
+    param's post-accumulate-grad hooks after its reduce-scatter, so each bucket steps on the reduced grad, inside
+    backward, and its grads are freed. Against the same two ranks stepping after backward, bit for bit, over 3
+    steps. Accumulating over 2 micro-batches either way: "no_sync" (set_requires_gradient_sync(False) before the
+    first, as `fastoptim train --fsdp` does: FSDP2 fires no hook until the last backward's reduce-scatter, so
+    opt.accumulating() is not needed), or each micro-batch reduce-scattered and added into the sharded grad, the
+    first under opt.accumulating()."""
+    result = dist_results[f"release fsdp2 {impl} {bits}-bit {accumulate}"]
+    assert result["diff"] == 0.0, result
+    assert result["flushes"] >= 2 * 3, result  # several buckets per backward (1 KiB buckets), not one at its end
+    assert result["freed"], result  # every sharded grad None after backward
+    expected = {"loop": "loop", "fused": "cpu_kernel" if bits == 8 else "torch_fused"}[impl]
+    assert expected in result["paths"], result
+
+
+def test_fsdp2_gradient_release_with_only_the_root_sharded(dist_results):
+    """fully_shard on the root alone: FSDP2 reduce-scatters in its end-of-backward callback, so every hook fires
+    there; the bucket left at the end still steps within that backward (3 steps, one bucket each)."""
+    result = dist_results["release fsdp2 root only"]
+    assert result == dict(diff=0.0, flushes=3, freed=True), result
+
+
+def test_fsdp2_gradient_release_with_muon_matches_bit_for_bit(dist_results):
+    """Muon gathers each whole matrix on one rank (collectives): under release they run inside backward, in
+    buckets that every rank cuts alike (by the params' global sizes)."""
+    result = dist_results["release fsdp2 muon"]
+    assert result["diff"] == 0.0 and result["flushes"] >= 2 * 3, result
+
+
+def test_gradient_release_refuses_ddp_and_plain_param_groups_added_later(dist_results):
+    """A plain param's hook fires when autograd writes this rank's own grad, before DDP's all-reduce."""
+    for key in ("release ddp refused", "release plain group refused"):
+        message = dist_results[key]
+        assert "before DDP's all-reduce" in message and "gradient_release=False" in message, message
+    # the refused group left nothing: no group, no hook; a sharded group added later is hooked
+    assert dist_results["release groups added"] == [[1, 2], [2, 6]]
+    # clipping's measuring backward cannot see FSDP2's sharded grads: refused at construction, naming the choices
+    message = dist_results["release fsdp2 clip refused"]
+    assert "max_grad_norm=None" in message and "gradient_release=False" in message, message
+
+
 def test_row_split_is_torch_chunk_and_owners_balance_the_work():
     """DTensor splits Shard(0) as torch.chunk does (the worker checks every local shard against it)."""
     from fastoptim.paths.sharded import assign, row_split
@@ -203,6 +251,14 @@ LOW_BIT = ["train", "--fsdp", "--state-bits", "8", "--n-layer", "1", "--n-embd",
            "--n-kv-head", "1", "--block-size", "32", "--batch-size", "4", "--steps", "6", "--warmup", "2",
            "--eval-every", "3", "--eval-batches", "1", "--save-every", "3", "--sample-tokens", "0", "--no-progress"]
 
+# --gradient-release under FSDP2, 2 micro-batches per step (the first under set_requires_gradient_sync(False)),
+# 8-bit state; its twin without release steps after backward
+RELEASE = ["train", "--fsdp", "--gradient-release", "--max-grad-norm", "none", "--grad-accum-steps", "2",
+           "--state-bits", "8", "--n-layer", "1", "--n-embd", "64", "--n-head", "2", "--n-kv-head", "1",
+           "--block-size", "32", "--batch-size", "4", "--steps", "4", "--warmup", "2", "--eval-every", "2",
+           "--eval-batches", "1", "--save-every", "2", "--sample-tokens", "0", "--no-progress"]
+NO_RELEASE = [a for a in RELEASE if a != "--gradient-release"]
+
 
 def stale_dcp_folders(out):
     """A save killed while writing, and one killed before its ckpt.pt."""
@@ -233,7 +289,9 @@ def train_runs_in_three_launches(root, levels, train=True):
           MUON + out("muon-a") + json_to("muon-a"), MUON + out("muon-b", "--stop-after", "3"),
           LOW_BIT + out("low-straight") + json_to("low-straight"),
           LOW_BIT + out("low-two", "--stop-after", "3") + json_to("low-two"),
-          LOW_BIT + out("low-one", "--stop-after", "3") + json_to("low-one")],
+          LOW_BIT + out("low-one", "--stop-after", "3") + json_to("low-one"),
+          RELEASE + out("release-a") + json_to("release-a"), NO_RELEASE + out("no-release") + json_to("no-release"),
+          RELEASE + out("release-b", "--stop-after", "2")],
          2, root / "parity.json", ",".join(levels))
     # what the tests check between the halves: the first half's checkpoint, and the folder it left
     shutil.copy(root / "ddp-b" / "ckpt.pt", root / "ddp-b-half.pt")
@@ -244,7 +302,8 @@ def train_runs_in_three_launches(root, levels, train=True):
         (folder / "__0_0.distcp").write_bytes(b"\0" * 100)
     runs([DDP + out("ddp-b", "--resume"), FSDP + out("fsdp-b", "--resume") + json_to("fsdp-b"),
           MUON + out("muon-b", "--resume") + json_to("muon-b"),
-          LOW_BIT + out("low-two", "--resume") + json_to("low-two")], 2)
+          LOW_BIT + out("low-two", "--resume") + json_to("low-two"),
+          RELEASE + out("release-b", "--resume") + json_to("release-b")], 2)
     runs([LOW_BIT + out("low-one", "--resume") + json_to("low-one")], 1)
 
 
@@ -291,6 +350,16 @@ def test_train_fsdp2_with_muon_resumes_exactly(train_runs):
     straight, resumed = losses(train_runs, "muon-a"), losses(train_runs, "muon-b")
     assert straight == resumed and len(straight) == 6
     assert straight[-1] < straight[0]
+
+
+@pytest.mark.slow
+def test_train_fsdp2_with_gradient_release_matches_the_step_after_backward_and_resumes(train_runs):
+    """`fastoptim train --fsdp --gradient-release`: each bucket steps inside backward after its reduce-scatter, and
+    the losses are those of the same run stepping after backward, exactly; stopped and resumed in new processes
+    (DCP), the same again."""
+    released, after_backward = losses(train_runs, "release-a"), losses(train_runs, "no-release")
+    assert released == after_backward and len(released) == 4
+    assert losses(train_runs, "release-b") == released
 
 
 @pytest.mark.slow

@@ -330,11 +330,21 @@ def test_grad_scaler_is_refused_by_name():
         scaler.step(opt)
 
 
-def test_refused_under_torch_distributed(monkeypatch):
+def test_plain_params_refused_under_torch_distributed(monkeypatch):
+    """Under several processes a plain param (DDP's) would step on this rank's grad before its all-reduce; FSDP2's
+    sharded (DTensor) params are released (test_distributed.py). A plain group added later is refused too, and
+    leaves nothing behind; frozen params are never hooked, so they are no reason to refuse."""
+    model = torch.nn.Linear(4, 2)
+    opt = AdamW(model.parameters(), gradient_release=True)
     monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
     monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 2)
-    with pytest.raises(NotImplementedError, match="all-reduce"):
+    with pytest.raises(NotImplementedError, match="before DDP's all-reduce.*gradient_release=False"):
         AdamW([torch.nn.Parameter(torch.randn(3))], gradient_release=True)
+    with pytest.raises(NotImplementedError, match=r"a plain tensor of shape \(3,\)"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.randn(3))]})
+    assert len(opt.param_groups) == 1 and len(opt._release.handles) == 2
+    opt.add_param_group({"params": [torch.nn.Parameter(torch.randn(3), requires_grad=False)]})
+    AdamW([torch.nn.Parameter(torch.randn(3))])  # without release: nothing to refuse
 
 
 def test_an_optimizer_that_is_gone_steps_nothing_and_a_new_one_takes_over():

@@ -220,8 +220,14 @@ def call_closure(opt, closure) -> Any:
             rel.closures -= 1
 
 
-def check(opt, gradient_release, release_bucket_mb) -> int | None:
-    """The bucket size in bytes (None: the default), after refusing what release cannot do exactly."""
+def check(opt, gradient_release, release_bucket_mb, params=None) -> int | None:
+    """The bucket size in bytes (None: the default), after refusing what release cannot do exactly. ``params``:
+    the params to release, once they are known (the constructor's groups, a group added later); under
+    torch.distributed each must be a DTensor. FSDP2 calls a sharded param's post-accumulate-grad hooks itself,
+    after its reduce-scatter has written the reduced grad (none while ``set_requires_gradient_sync(False)``
+    accumulates), and a DTensor's grad counts its global size, so every rank cuts the same buckets (Muon's gathers
+    are collectives); a plain param's hook fires as soon as autograd writes this rank's own grad, before DDP's
+    all-reduce."""
     name = type(opt).__name__
     if not isinstance(gradient_release, bool):
         raise TypeError(f"{name}: gradient_release must be True or False, got {gradient_release!r}")
@@ -236,9 +242,20 @@ def check(opt, gradient_release, release_bucket_mb) -> int | None:
     if opt.flat:
         raise ValueError(f"{name}: flat=True with gradient_release=True: flat mode keeps every grad as a view of one "
                          "buffer per group, so freeing a bucket's grads frees no memory. Use one of them")
-    if torch.distributed.is_available() and torch.distributed.is_initialized() \
+    if params is not None and torch.distributed.is_available() and torch.distributed.is_initialized() \
             and torch.distributed.get_world_size() > 1:
-        raise NotImplementedError(f"{name}: gradient_release=True under torch.distributed (world size "
-                                  f"{torch.distributed.get_world_size()}) is not supported yet: a bucket would "
-                                  "step before its all-reduce or reduce-scatter. Use gradient_release=False")
+        from ..storage.state import is_dtensor
+        plain = next((p for p in params if isinstance(p, Tensor) and p.requires_grad
+                      and not is_dtensor(p)), None)
+        if opt.max_grad_norm is not None:
+            raise ValueError(f"{name}: max_grad_norm with gradient_release=True under FSDP2: the measuring backward "
+                             "(measure_grad_norm) sees grads before autograd accumulates them, and FSDP2 writes the "
+                             "sharded grads itself. Use max_grad_norm=None with release, or gradient_release=False")
+        if plain is not None:
+            raise NotImplementedError(
+                f"{name}: gradient_release=True with a param that is not sharded by FSDP2 (a plain tensor of shape "
+                f"{tuple(plain.shape)}) under torch.distributed (world size {torch.distributed.get_world_size()}): "
+                "its bucket would step on this rank's own grad, before DDP's all-reduce. Release under DDP is not "
+                "supported yet; under FSDP2 it is (fully_shard the model before making the optimizer). Use "
+                "gradient_release=False")
     return None if release_bucket_mb is None else max(1, int(release_bucket_mb * (1 << 20)))

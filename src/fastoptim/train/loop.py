@@ -139,7 +139,9 @@ def check_config(cfg: TrainConfig) -> None:
     if cfg.gradient_release:
         refused = [(cfg.flat, "--flat (flat grads are one buffer: nothing is freed)"),
                    (cfg.dtype == "fp16", "--dtype fp16 (GradScaler checks every grad before a step: use bf16)"),
-                   (cfg.ddp or cfg.fsdp, "--ddp/--fsdp (not yet: a bucket would step before its reduction)")]
+                   (cfg.ddp, "--ddp (not yet: a bucket would step before its all-reduce; --fsdp can)"),
+                   (cfg.fsdp and cfg.max_grad_norm is not None, "--fsdp and clipping (the measuring backward cannot "
+                    "see FSDP2's sharded grads: give --max-grad-norm none)")]
         why = [text for bad, text in refused if bad]
         if why:
             raise ValueError("--gradient-release steps inside backward and frees each grad at once; it cannot run "
