@@ -21,7 +21,7 @@ from torch import Tensor
 
 from . import bulk, clip, storage
 from .eager import eager
-from .engine import amp, dispatch, plan, release
+from .engine import amp, dispatch, plan, release, release_ddp
 from .engine.flat import FlatBucket
 from .loading import check_loaded
 from .paths import sharded
@@ -82,6 +82,11 @@ class FastOptimizer(torch.optim.Optimizer):
         """``with opt.accumulating(): loss.backward()``: with ``gradient_release`` this backward steps nothing (its
         grads add up; the next backward steps on the sum). Without it, a no-op."""
         return self._release.accumulating() if self._release is not None else nullcontext()
+
+    def release_with(self, ddp_model) -> None:
+        """``opt.release_with(DistributedDataParallel(model))``: with ``gradient_release``, each DDP bucket steps
+        inside backward once its all-reduce is done, on the reduced grads (``engine.release_ddp``)."""
+        release_ddp.tie(self, self._release, ddp_model)
 
     # --- state: torch's mapping, counting its changes so the step plan never outlives it ---------------
 

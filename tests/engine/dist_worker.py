@@ -134,6 +134,55 @@ def muon_checks(result, levels=LEVELS):
         result["muon shard(1) refused"] = str(e)
 
 
+def ddp_release_train(net, opt, view, release, steps=3):
+    """Under DDP, ranks with different data: each step a no_sync micro-batch, then a synced one. With ``release``
+    the optimizer is tied to the DDP model: each bucket steps inside the synced backward, and opt.step() finds
+    no grad left (checked)."""
+    from torch.nn.parallel import DistributedDataParallel
+    ddp = DistributedDataParallel(net, bucket_cap_mb=0.01, gradient_as_bucket_view=view)  # several buckets
+    if release:
+        opt.release_with(ddp)
+    g = torch.Generator().manual_seed(10 + dist.get_rank())
+    grads_left = 0
+    for _ in range(steps):
+        with ddp.no_sync():
+            ddp(torch.randn(8, 64, generator=g)).pow(2).mean().backward()
+        ddp(torch.randn(8, 64, generator=g)).pow(2).mean().backward()
+        grads_left += sum(p.grad is not None for p in net.parameters())
+        opt.step()
+        opt.zero_grad()
+    return [p.detach().clone() for p in net.parameters()], grads_left
+
+
+def ddp_release_checks(result):
+    """Gradient release tied to DDP (opt.release_with) against plain DDP stepping after backward: at the loop and
+    fused levels, 32-bit and 8-bit state, both gradient_as_bucket_view settings, with a no_sync window; and the
+    refusal of plain params under world size 2 without the tie."""
+    from fastoptim.levels import record_paths
+    for impl, bits, view in [("loop", 32, False), ("fused", 32, True), ("loop", 8, True), ("fused", 8, False)]:
+        kwargs = dict(lr=1e-2, impl=impl, state_bits=bits, min_quant_size=0)
+        plain = wide_model()
+        reference, _ = ddp_release_train(plain, fastoptim.AdamW(plain.parameters(), **kwargs), view, False)
+        net = wide_model()
+        opt = fastoptim.AdamW(net.parameters(), gradient_release=True, **kwargs)
+        with record_paths() as paths:
+            params, grads_left = ddp_release_train(net, opt, view, True)
+        label = f"ddp release {impl} {bits}-bit view={view}"
+        result[label] = max_diff(params, reference)
+        result[f"{label} grads left"] = grads_left
+        result[f"{label} buckets"] = opt._release.ddp.buckets_stepped
+        result[f"{label} paths"] = sorted(paths)
+    net = wide_model()
+    opt = fastoptim.AdamW(net.parameters(), gradient_release=True)
+    before = [p.detach().clone() for p in net.parameters()]
+    try:
+        net(torch.randn(8, 64)).sum().backward()
+        result["ddp release untied refused"] = ""
+    except NotImplementedError as e:
+        result["ddp release untied refused"] = str(e)
+    result["ddp release untied unchanged"] = max_diff(net.parameters(), before)
+
+
 def shard(net):
     for layer in net:
         if isinstance(layer, torch.nn.Linear):
@@ -195,6 +244,7 @@ def main(out_path, levels=LEVELS):
             result[f"fsdp2 {impl} bf16 {rounding}"] = max((a.float() - b.float()).abs().max().item()
                                                           for a, b in zip(params, reference))
     muon_checks(result, levels)
+    ddp_release_checks(result)
     if dist.get_rank() == 0:
         with open(out_path, "w") as f:
             json.dump(result, f)

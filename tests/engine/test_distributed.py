@@ -158,6 +158,31 @@ def test_a_step_counts_as_an_in_place_write_to_sharded_params(dist_results, labe
     assert dist_results[f"sharded write counted: {label}"] is True
 
 
+DDP_RELEASE_CASES = [("loop", 32, False), ("fused", 32, True), ("loop", 8, True), ("fused", 8, False)]
+DDP_RELEASE_PATHS = {("loop", 32): {"loop"}, ("fused", 32): {"torch_fused"}, ("loop", 8): {"loop"},
+                     ("fused", 8): {"cpu_kernel"}}
+
+
+@pytest.mark.parametrize("impl,bits,view", DDP_RELEASE_CASES)
+def test_ddp_release_matches_plain_ddp_bit_for_bit(dist_results, impl, bits, view):
+    """opt.release_with(ddp_model): each DDP bucket steps inside backward after its all-reduce, on the reduced
+    grads; two ranks with different data, a no_sync micro-batch before each synced one. The params are plain
+    DDP's (the same optimizer stepping after backward) bit for bit, the tie stepped the buckets (the first
+    backward has one DDP bucket, the later ones two: one steps in the next one's comm hook, the last at the end of
+    backward), on the level's own path, and no grad was left after backward."""
+    label = f"ddp release {impl} {bits}-bit view={view}"
+    assert dist_results[label] == 0.0
+    assert dist_results[f"{label} buckets"] == 5
+    assert DDP_RELEASE_PATHS[impl, bits] <= set(dist_results[f"{label} paths"]), dist_results[f"{label} paths"]
+    assert dist_results[f"{label} grads left"] == 0
+
+
+def test_ddp_release_without_the_tie_is_refused_before_anything_steps(dist_results):
+    message = dist_results["ddp release untied refused"]
+    assert "world size 2" in message and "opt.release_with(ddp_model)" in message, message
+    assert dist_results["ddp release untied unchanged"] == 0.0
+
+
 def test_row_split_is_torch_chunk_and_owners_balance_the_work():
     """DTensor splits Shard(0) as torch.chunk does (the worker checks every local shard against it)."""
     from fastoptim.paths.sharded import assign, row_split

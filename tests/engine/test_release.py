@@ -327,11 +327,17 @@ def test_grad_scaler_is_refused_by_name():
         scaler.step(opt)
 
 
-def test_refused_under_torch_distributed(monkeypatch):
+def test_refused_under_torch_distributed_without_a_ddp_tie(monkeypatch):
+    """World size 2: the release hooks would see local grads. Made (the tie to DDP comes after), but its first
+    backward is refused before anything steps, naming the tie (tests/engine/test_release_ddp.py: with it)."""
     monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
     monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 2)
-    with pytest.raises(NotImplementedError, match="all-reduce"):
-        AdamW([torch.nn.Parameter(torch.randn(3))], gradient_release=True)
+    p = torch.nn.Parameter(torch.randn(3))
+    opt = AdamW([p], gradient_release=True)
+    before = p.detach().clone()
+    with pytest.raises(NotImplementedError, match=r"before DDP's all-reduce.*opt\.release_with\(ddp_model\)"):
+        (p * p).sum().backward()
+    assert torch.equal(p, before) and opt._release.flushes == 0 and not opt.state
 
 
 def test_an_optimizer_that_is_gone_steps_nothing_and_a_new_one_takes_over():

@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 from torch.utils.weak import WeakIdKeyDictionary
 
+from . import release_ddp
 from .release_norm import NormPass
 
 OWNERS = WeakIdKeyDictionary()  # param -> the Release that steps it (the newest to hook it)
@@ -82,6 +83,8 @@ class Release:
         self.planned_by: dict[int, object] = {}  # id(param) -> the key of the cached plan that last stepped it
         self.places: dict[int, tuple[int, int]] = {}  # id(param) -> (group index, position), checked at each use
         self.norm: NormPass | None = None  # max_grad_norm's measuring backward (``release_norm``)
+        self.ddp: release_ddp.DDPTie | None = None  # ``opt.release_with(ddp_model)``: DDP's comm hook steps
+        self.world = 1  # the world size, taken at each backward's first param
         if opt.max_grad_norm is not None:
             self.measuring()
 
@@ -159,10 +162,16 @@ class Release:
         opt = self._opt()
         if opt is None or OWNERS.get(p) is not self or self.norm is not None and self.norm.accumulated(p):
             return
+        if self.ddp is not None and self.ddp.reduces(p):
+            return  # this grad is local: DDP's comm hook steps the param after its all-reduce (``release_ddp``)
         if self.paused or accelerate_accumulates() or p.grad is None:
             return
         task = torch._C._current_graph_task_id()
         if self.queued_for != task:  # a new backward: its end steps what is left
+            self.world = release_ddp.world_size()
+        if self.world > 1:  # (a param tied to DDP returned above)
+            raise NotImplementedError(f"{type(opt).__name__}: " + release_ddp.refused(p, self.world))
+        if self.queued_for != task:
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
             self.queued_for = task
             self.ready, self.ready_bytes = [], 0  # (left by a backward that raised: their grads stay for step())
@@ -236,9 +245,5 @@ def check(opt, gradient_release, release_bucket_mb) -> int | None:
     if opt.flat:
         raise ValueError(f"{name}: flat=True with gradient_release=True: flat mode keeps every grad as a view of one "
                          "buffer per group, so freeing a bucket's grads frees no memory. Use one of them")
-    if torch.distributed.is_available() and torch.distributed.is_initialized() \
-            and torch.distributed.get_world_size() > 1:
-        raise NotImplementedError(f"{name}: gradient_release=True under torch.distributed (world size "
-                                  f"{torch.distributed.get_world_size()}) is not supported yet: a bucket would "
-                                  "step before its all-reduce or reduce-scatter. Use gradient_release=False")
+    # (under torch.distributed with world size > 1 a param is refused at its first backward: ``Release._ready``)
     return None if release_bucket_mb is None else max(1, int(release_bucket_mb * (1 << 20)))
