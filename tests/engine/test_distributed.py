@@ -217,6 +217,12 @@ def assert_same_tensors(a, b, where=""):
 DDP = ["train", "--ddp", "--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--n-kv-head", "1", "--block-size",
        "32", "--batch-size", "4", "--steps", "8", "--warmup", "2", "--eval-every", "4", "--eval-batches", "1",
        "--save-every", "4", "--sample-tokens", "0", "--no-progress"]
+# --gradient-release under --ddp (tied to the DDP model), against the same run without it: no clipping (refused
+# with release under DDP), two micro-batches a step (the first under no_sync)
+DDP_RELEASE = ["train", "--ddp", "--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--n-kv-head", "1",
+               "--block-size", "32", "--batch-size", "4", "--steps", "4", "--warmup", "2", "--eval-every", "4",
+               "--eval-batches", "1", "--save-every", "4", "--sample-tokens", "0", "--no-progress",
+               "--max-grad-norm", "none", "--grad-accum-steps", "2"]
 FSDP = ["train", "--fsdp", "--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--n-kv-head", "1", "--block-size",
         "32", "--batch-size", "4", "--steps", "8", "--warmup", "2", "--eval-every", "4", "--eval-batches", "1",
         "--save-every", "4", "--sample-tokens", "0", "--no-progress"]
@@ -258,7 +264,9 @@ def train_runs_in_three_launches(root, levels, train=True):
           MUON + out("muon-a") + json_to("muon-a"), MUON + out("muon-b", "--stop-after", "3"),
           LOW_BIT + out("low-straight") + json_to("low-straight"),
           LOW_BIT + out("low-two", "--stop-after", "3") + json_to("low-two"),
-          LOW_BIT + out("low-one", "--stop-after", "3") + json_to("low-one")],
+          LOW_BIT + out("low-one", "--stop-after", "3") + json_to("low-one"),
+          DDP_RELEASE + out("ddp-plain") + json_to("ddp-plain"),
+          DDP_RELEASE + out("ddp-release", "--gradient-release") + json_to("ddp-release")],
          2, root / "parity.json", ",".join(levels))
     # what the tests check between the halves: the first half's checkpoint, and the folder it left
     shutil.copy(root / "ddp-b" / "ckpt.pt", root / "ddp-b-half.pt")
@@ -294,6 +302,17 @@ def test_train_ddp_under_torchrun_resumes_bit_identically(train_runs):
         assert_same_tensors(a[key], b[key], key)
     assert_same_tensors(a["optimizer"]["state"], b["optimizer"]["state"], "optimizer state")
     assert_same_tensors(a["optimizer"]["param_groups"], b["optimizer"]["param_groups"], "optimizer param_groups")
+
+
+@pytest.mark.slow
+def test_train_ddp_with_gradient_release_trains_as_without_it(train_runs):
+    """`fastoptim train --ddp --gradient-release`: the optimizer tied to the DDP model, each bucket stepping after
+    its all-reduce; the same losses, lrs and final params as the run that steps after backward."""
+    plain, released = (json.loads((train_runs / f"ddp-{name}.json").read_text()) for name in ("plain", "release"))
+    assert without_timings(released["log"]) == without_timings(plain["log"]) and len(plain["log"]) == 4
+    a, b = (torch.load(train_runs / f"ddp-{name}" / "ckpt.pt", weights_only=False) for name in ("plain", "release"))
+    assert_same_tensors(a["model"], b["model"], "model")
+    assert_same_tensors(a["optimizer"]["state"], b["optimizer"]["state"], "optimizer state")
 
 
 @pytest.mark.slow
