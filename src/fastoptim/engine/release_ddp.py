@@ -9,7 +9,8 @@ so release's own hooks must not step (``Release._ready`` leaves the tied params 
 under world size > 1 without a tie). The tie registers a DDP comm hook instead. It reduces as DDP itself does
 without a hook (each grad times 1/world size as it is copied into the bucket, then a summing all-reduce: torch's
 ``allreduce_hook`` divides instead, which rounds differently where the world size is no power of two), so the
-values are plain DDP's bit for bit. It starts each bucket's all-reduce and steps the bucket before it, whose
+values are plain DDP's bit for bit (a grad that is still the bucket's view at the next backward, DDP divides in
+place: the same where the world size is a power of two). It starts each bucket's all-reduce and steps the bucket before it, whose
 all-reduce has had that time to run (``wait`` first); the last one steps at the end of backward. Every step runs on
 the backward's own thread, in the order of the buckets: none runs in a communication thread beside another.
 
