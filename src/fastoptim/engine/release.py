@@ -16,6 +16,10 @@ closure that stepped since the last ``step()`` then means its grads were meant t
 accumulating micro-batches run their backward outside ``optimizer.step``, and nothing global says so): release
 already stepped on them, so that step is refused by name (``call_closure``), never taken as if all were well.
 
+Under torch.distributed with world size > 1 a param's hook sees its local grad: it is refused at its first
+backward, unless the optimizer is tied to the DDP model (``opt.release_with(ddp_model)``, ``release_ddp``), whose
+comm hook then steps each DDP bucket after its all-reduce while these hooks step nothing.
+
 The hooks hold the optimizer weakly: an optimizer that is gone steps nothing, and its hooks are removed. A param
 is released by the newest optimizer that hooked it (``OWNERS``): an optimizer made anew over the same params (a
 reload, a trainer's setup run twice) takes over, and one not yet collected never steps them a second time.

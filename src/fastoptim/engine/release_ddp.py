@@ -10,9 +10,11 @@ under world size > 1 without a tie). The tie registers a DDP comm hook instead. 
 without a hook (each grad times 1/world size as it is copied into the bucket, then a summing all-reduce: torch's
 ``allreduce_hook`` divides instead, which rounds differently where the world size is no power of two), so the
 values are plain DDP's bit for bit (a grad that is still the bucket's view at the next backward, DDP divides in
-place: the same where the world size is a power of two). It starts each bucket's all-reduce and steps the bucket before it, whose
-all-reduce has had that time to run (``wait`` first); the last one steps at the end of backward. Every step runs on
-the backward's own thread, in the order of the buckets: none runs in a communication thread beside another.
+place: the same where the world size is a power of two). It starts each bucket's all-reduce and steps the bucket
+before it, whose all-reduce has had that time to run (``wait`` first); the last one steps at the end of backward.
+Every step runs on the backward's own thread, in the order of the buckets: none runs in a communication thread
+beside another (torch's ``_hook_then_optimizer`` steps in the all-reduce's callback, on whichever thread completes
+it).
 
 A bucket steps on its reduced grads, the views of DDP's bucket buffer (``p.grad`` is pointed at them where it was
 a grad of its own: ``gradient_as_bucket_view=False``). At the end of backward, after DDP has written its results
@@ -34,6 +36,7 @@ from torch import Tensor
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ..storage.state import is_dtensor
+from . import release  # (which imports this module: only its names at call time are used here)
 
 REFUSED_UNTIED = ("gradient_release=True under torch.distributed (world size {world}): a param's release hook sees "
                   "its LOCAL grad, before DDP's all-reduce, so its bucket would step on it. Tie the optimizer to "
@@ -101,7 +104,7 @@ class DDPTie:
         buffer.mul_(1.0 / (group.size() if group is not None else dist.get_world_size()))
         future = dist.all_reduce(buffer, group=group, async_op=True).get_future().then(_first_value)
         opt = self.rel._opt()
-        if opt is None or self.rel.paused or _accelerate_accumulates():
+        if opt is None or self.rel.paused or release.accelerate_accumulates():
             return future  # accumulating: reduced, not stepped
         task = torch._C._current_graph_task_id()
         if self.queued_for != task:  # a new backward
@@ -115,9 +118,8 @@ class DDPTie:
     def _step(self, opt, bucket, future) -> None:
         future.wait()
         rel, params = self.rel, []
-        from .release import OWNERS
         for p, grad in zip(bucket.parameters(), bucket.gradients()):
-            if OWNERS.get(p) is rel:  # (an optimizer made anew over these params steps them)
+            if release.OWNERS.get(p) is rel:  # (an optimizer made anew over these params steps them)
                 if p.grad is None or p.grad.data_ptr() != grad.data_ptr():
                     p.grad = grad  # the reduced grad (its own local one is dropped here)
                 params.append(p)
@@ -125,7 +127,7 @@ class DDPTie:
             self.stepped += opt._release_step(params)
             rel.flushes += 1
             rel.stepped_outside |= not rel.closures
-        self.buckets_stepped += 1
+            self.buckets_stepped += 1
 
     def _end_of_backward(self) -> None:
         # DDP's own end-of-backward callback (which writes the reduced grads back) was queued later in this
@@ -146,8 +148,3 @@ class DDPTie:
 
 def _first_value(future) -> Tensor:
     return future.value()[0]
-
-
-def _accelerate_accumulates() -> bool:
-    from .release import accelerate_accumulates
-    return accelerate_accumulates()
