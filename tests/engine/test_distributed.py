@@ -177,6 +177,17 @@ def test_ddp_release_matches_plain_ddp_bit_for_bit(dist_results, impl, bits, vie
     assert dist_results[f"{label} grads left"] == 0
 
 
+@pytest.mark.slow
+def test_ddp_release_matches_plain_ddp_bit_for_bit_on_three_ranks(tmp_path):
+    """Three ranks: scaling by 1/3 rounds, so the hook must scale each grad as DDP's reducer does (times the
+    reciprocal where it copies the grad into the bucket, divided where the grad was the bucket's view already: the
+    synced backward under opt.accumulating() with gradient_as_bucket_view=True leaves it so)."""
+    launch("dist_worker.py", "--ddp-release", tmp_path / "three.json", nproc=3)
+    result = json.loads((tmp_path / "three.json").read_text())
+    for impl, bits, view in DDP_RELEASE_CASES:
+        assert result[f"ddp release {impl} {bits}-bit view={view}"] == 0.0, (impl, bits, view)
+
+
 def test_ddp_release_without_the_tie_is_refused_before_anything_steps(dist_results):
     message = dist_results["ddp release untied refused"]
     assert "world size 2" in message and "opt.release_with(ddp_model)" in message, message

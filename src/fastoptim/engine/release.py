@@ -163,11 +163,12 @@ class Release:
             self.paused -= 1
 
     def _ready(self, p: Tensor) -> None:
+        if self.ddp is not None and self.ddp.reduces(p):
+            self.ddp.saw(p)  # this grad is local: DDP's comm hook steps the param after its all-reduce
+            return
         opt = self._opt()
         if opt is None or OWNERS.get(p) is not self or self.norm is not None and self.norm.accumulated(p):
             return
-        if self.ddp is not None and self.ddp.reduces(p):
-            return  # this grad is local: DDP's comm hook steps the param after its all-reduce (``release_ddp``)
         if self.paused or accelerate_accumulates() or p.grad is None:
             return
         task = torch._C._current_graph_task_id()

@@ -9,8 +9,9 @@ so release's own hooks must not step (``Release._ready`` leaves the tied params 
 under world size > 1 without a tie). The tie registers a DDP comm hook instead. It reduces as DDP itself does
 without a hook (each grad times 1/world size as it is copied into the bucket, then a summing all-reduce: torch's
 ``allreduce_hook`` divides instead, which rounds differently where the world size is no power of two), so the
-values are plain DDP's bit for bit (a grad that is still the bucket's view at the next backward, DDP divides in
-place: the same where the world size is a power of two). It starts each bucket's all-reduce and steps the bucket
+values are plain DDP's bit for bit; a grad that was accumulated into the bucket's own view (a synced backward that
+did not step, with ``gradient_as_bucket_view=True``) DDP divides in place instead, and so does the hook: the
+release hook of each param notes where its grad lies before the reducer takes it (``saw``). It starts each bucket's all-reduce and steps the bucket
 before it, whose all-reduce has had that time to run (``wait`` first); the last one steps at the end of backward.
 Every step runs on the backward's own thread, in the order of the buckets: none runs in a communication thread
 beside another (torch's ``_hook_then_optimizer`` steps in the all-reduce's callback, on whichever thread completes
@@ -92,6 +93,11 @@ class DDPTie:
         self.stepped: list[Tensor] = []  # params stepped in this backward: their grads are set to None at its end
         self.queued_for = None
         self.buckets_stepped = 0  # (tests check that the tie stepped)
+        self.grad_storage: dict[int, int] = {}  # id(param) -> where its grad lay as the reducer was to take it
+
+    def saw(self, p: Tensor) -> None:
+        """``p``'s release hook, which runs just before DDP's reducer takes its grad: where the grad lies."""
+        self.grad_storage[id(p)] = p.grad.untyped_storage().data_ptr() if p.grad is not None else 0
 
     def reduces(self, p: Tensor) -> bool:
         """Whether ``p``'s grad is reduced (and stepped) by this tie: its own release hook then does nothing."""
@@ -100,8 +106,16 @@ class DDPTie:
     def hook(self, group, bucket):  # (no annotations: DDP checks them, and this module's are strings)
         """DDP's comm hook for one bucket: its all-reduce started, the bucket before it stepped."""
         buffer = bucket.buffer()
+        world = group.size() if group is not None else dist.get_world_size()
         # as DDP's reducer scales each grad without a comm hook: times the reciprocal (a double, as it passes it)
-        buffer.mul_(1.0 / (group.size() if group is not None else dist.get_world_size()))
+        # where it copies the grad into the bucket, divided where the grad was the bucket's view already
+        in_place = [self.grad_storage.pop(id(p), 0) == buffer.untyped_storage().data_ptr()
+                    for p in bucket.parameters()]
+        if not any(in_place):
+            buffer.mul_(1.0 / world)
+        else:
+            for grad, was_view in zip(bucket.gradients(), in_place):
+                grad.div_(world) if was_view else grad.mul_(1.0 / world)
         future = dist.all_reduce(buffer, group=group, async_op=True).get_future().then(_first_value)
         opt = self.rel._opt()
         if opt is None or self.rel.paused or release.accelerate_accumulates():
