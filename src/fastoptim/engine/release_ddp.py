@@ -11,9 +11,10 @@ without a hook (each grad times 1/world size as it is copied into the bucket, th
 ``allreduce_hook`` divides instead, which rounds differently where the world size is no power of two), so the
 values are plain DDP's bit for bit; a grad that was accumulated into the bucket's own view (a synced backward that
 did not step, with ``gradient_as_bucket_view=True``) DDP divides in place instead, and so does the hook: the
-release hook of each param notes where its grad lies before the reducer takes it (``saw``). It starts each bucket's all-reduce and steps the bucket
-before it, whose all-reduce has had that time to run (``wait`` first); the last one steps at the end of backward.
-Every step runs on the backward's own thread, in the order of the buckets: none runs in a communication thread
+release hook of each param notes where its grad lies before the reducer takes it (``saw``).
+
+The hook starts each bucket's all-reduce and steps the bucket before it, whose all-reduce has had that time to run
+(``wait`` first); the last one steps at the end of backward. Every step runs on the backward's own thread, in the order of the buckets: none runs in a communication thread
 beside another (torch's ``_hook_then_optimizer`` steps in the all-reduce's callback, on whichever thread completes
 it).
 
