@@ -14,9 +14,9 @@ did not step, with ``gradient_as_bucket_view=True``) DDP divides in place instea
 release hook of each param notes where its grad lies before the reducer takes it (``saw``).
 
 The hook starts each bucket's all-reduce and steps the bucket before it, whose all-reduce has had that time to run
-(``wait`` first); the last one steps at the end of backward. Every step runs on the backward's own thread, in the order of the buckets: none runs in a communication thread
-beside another (torch's ``_hook_then_optimizer`` steps in the all-reduce's callback, on whichever thread completes
-it).
+(``wait`` first); the last one steps at the end of backward. Every step runs on the backward's own thread, in the
+order of the buckets: none runs in a communication thread beside another (torch's ``_hook_then_optimizer`` steps
+in the all-reduce's callback, on whichever thread completes it).
 
 A bucket steps on its reduced grads, the views of DDP's bucket buffer (``p.grad`` is pointed at them where it was
 a grad of its own: ``gradient_as_bucket_view=False``). At the end of backward, after DDP has written its results
