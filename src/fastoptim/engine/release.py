@@ -88,7 +88,6 @@ class Release:
         self.places: dict[int, tuple[int, int]] = {}  # id(param) -> (group index, position), checked at each use
         self.norm: NormPass | None = None  # max_grad_norm's measuring backward (``release_norm``)
         self.ddp: release_ddp.DDPTie | None = None  # ``opt.release_with(ddp_model)``: DDP's comm hook steps
-        self.world = 1  # the world size, taken at each backward's first param
         if opt.max_grad_norm is not None:
             self.measuring()
 
@@ -173,10 +172,9 @@ class Release:
             return
         task = torch._C._current_graph_task_id()
         if self.queued_for != task:  # a new backward: its end steps what is left
-            self.world = release_ddp.world_size()
-        if self.world > 1:  # (a param tied to DDP returned above)
-            raise NotImplementedError(f"{type(opt).__name__}: " + release_ddp.refused(p, self.world))
-        if self.queued_for != task:
+            world = release_ddp.world_size()
+            if world > 1:  # a local grad (a param tied to DDP returned above): refused before anything steps
+                raise NotImplementedError(f"{type(opt).__name__}: " + release_ddp.refused(p, world))
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
             self.queued_for = task
             self.ready, self.ready_bytes = [], 0  # (left by a backward that raised: their grads stay for step())
