@@ -183,6 +183,16 @@ def ddp_release_checks(result):
     except NotImplementedError as e:
         result["ddp release untied refused"] = str(e)
     result["ddp release untied unchanged"] = max_diff(net.parameters(), before)
+    from torch.nn.parallel import DistributedDataParallel
+    net, outside = wide_model(), torch.nn.Parameter(torch.ones(3))
+    opt = fastoptim.AdamW([*net.parameters(), outside], gradient_release=True)
+    ddp = DistributedDataParallel(net)
+    opt.release_with(ddp)
+    try:
+        (ddp(torch.randn(8, 64)).sum() + outside.sum()).backward()
+        result["ddp release param outside the model refused"] = ""
+    except NotImplementedError as e:
+        result["ddp release param outside the model refused"] = str(e)
 
 
 def shard(net):

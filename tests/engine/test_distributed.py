@@ -192,6 +192,8 @@ def test_ddp_release_without_the_tie_is_refused_before_anything_steps(dist_resul
     message = dist_results["ddp release untied refused"]
     assert "world size 2" in message and "opt.release_with(ddp_model)" in message, message
     assert dist_results["ddp release untied unchanged"] == 0.0
+    message = dist_results["ddp release param outside the model refused"]  # tied, but this param's grad is local
+    assert "tied to a DDP model" in message and "outside that model" in message, message
 
 
 def test_row_split_is_torch_chunk_and_owners_balance_the_work():

@@ -173,8 +173,9 @@ class Release:
         task = torch._C._current_graph_task_id()
         if self.queued_for != task:  # a new backward: its end steps what is left
             world = release_ddp.world_size()
-            if world > 1:  # a local grad (a param tied to DDP returned above): refused before anything steps
-                raise NotImplementedError(f"{type(opt).__name__}: " + release_ddp.refused(p, world))
+            if world > 1:  # a local grad (a param tied to DDP returned above): refused before these hooks step
+                why = release_ddp.refused(p, world, tied=self.ddp is not None)
+                raise NotImplementedError(f"{type(opt).__name__}: {why}")
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
             self.queued_for = task
             self.ready, self.ready_bytes = [], 0  # (left by a backward that raised: their grads stay for step())

@@ -46,8 +46,13 @@ REFUSED_UNTIED = ("gradient_release=True under torch.distributed (world size {wo
                   "choose gradient_release=False. Nothing has stepped")
 
 
-def refused(p: Tensor, world: int) -> str:
+def refused(p: Tensor, world: int, tied: bool) -> str:
     """Why release cannot step ``p`` under torch.distributed without a tie."""
+    if tied:  # (the tied model's buckets may have stepped in this backward already)
+        return (f"gradient_release=True under torch.distributed (world size {world}): this optimizer is tied to a "
+                "DDP model, and a param of it outside that model has a grad (local: no all-reduce ties it). Put "
+                "every param of a released optimizer into the DDP model, or give the others an optimizer without "
+                "gradient_release")
     if is_dtensor(p):
         return (f"gradient_release=True with sharded (DTensor) params under torch.distributed (world size {world}) "
                 "is not supported yet: a bucket would step before its reduce-scatter. Use gradient_release=False")
