@@ -21,7 +21,7 @@ from torch import Tensor
 
 from . import bulk, clip, storage
 from .eager import eager
-from .engine import amp, dispatch, plan, release
+from .engine import amp, dispatch, plan, release, release_ddp
 from .engine.flat import FlatBucket
 from .loading import check_loaded
 from .paths import sharded
@@ -71,7 +71,7 @@ class FastOptimizer(torch.optim.Optimizer):
         super().__init__(params, defaults)
         if gradient_release:
             params = [p for group in self.param_groups for p in group["params"]]
-            release.check(self, True, release_bucket_mb, params)  # (under torch.distributed: each one sharded)
+            release.check(self, True, release_bucket_mb, params)  # (what needs the params: FSDP2 and clipping)
             self._release = release.Release(self, bucket_bytes)
             self._release.hook(params)
 
@@ -84,6 +84,11 @@ class FastOptimizer(torch.optim.Optimizer):
         """``with opt.accumulating(): loss.backward()``: with ``gradient_release`` this backward steps nothing (its
         grads add up; the next backward steps on the sum). Without it, a no-op."""
         return self._release.accumulating() if self._release is not None else nullcontext()
+
+    def release_with(self, ddp_model) -> None:
+        """``opt.release_with(DistributedDataParallel(model))``: with ``gradient_release``, each DDP bucket steps
+        inside backward once its all-reduce is done, on the reduced grads (``engine.release_ddp``)."""
+        release_ddp.tie(self, self._release, ddp_model)
 
     # --- state: torch's mapping, counting its changes so the step plan never outlives it ---------------
 

@@ -139,9 +139,8 @@ def release_checks(result):
     """gradient_release=True under FSDP2, against the same FSDP2 run without it. FSDP2 calls each sharded param's
     post-accumulate-grad hooks after its reduce-scatter, so its bucket steps inside backward on the reduced grad:
     bucket by bucket (tiny buckets: most step while backward still runs), at 32- and 8-bit state, with
-    accumulation either way, and Muon, whose gathers are collectives (every rank cuts the same buckets). DDP's
-    params, plain tensors, are refused, as is a plain param group added later."""
-    from torch.nn.parallel import DistributedDataParallel
+    accumulation either way, and Muon, whose gathers are collectives (every rank cuts the same buckets); clipping is
+    refused (its measuring backward cannot see FSDP2's sharded grads); a sharded group added later is hooked."""
     from fastoptim.levels import record_paths
     tiny = dict(gradient_release=True, release_bucket_mb=1e-3)  # about 1 KiB: a bucket of one weight or a few
     for impl in ("loop", "fused"):
@@ -173,25 +172,76 @@ def release_checks(result):
     result["release fsdp2 muon"] = dict(diff=max_diff(train(net, opt, steps=3), reference),
                                         flushes=opt._release.flushes)
     try:
-        fastoptim.AdamW(DistributedDataParallel(model()).parameters(), gradient_release=True)
-        result["release ddp refused"] = ""
-    except NotImplementedError as e:
-        result["release ddp refused"] = str(e)
-    try:
         fastoptim.AdamW(shard(model()).parameters(), gradient_release=True, max_grad_norm=1.0)
         result["release fsdp2 clip refused"] = ""
     except ValueError as e:
         result["release fsdp2 clip refused"] = str(e)
     net = shard(model())
     opt = fastoptim.AdamW(list(net.parameters())[:2], gradient_release=True)
-    try:
-        opt.add_param_group({"params": [torch.nn.Parameter(torch.randn(3))]})
-        result["release plain group refused"] = ""
-    except NotImplementedError as e:
-        result["release plain group refused"] = str(e)
     unchanged = len(opt.param_groups), len(opt._release.handles)
     opt.add_param_group({"params": list(net.parameters())[2:]})  # sharded: released too
     result["release groups added"] = [unchanged, [len(opt.param_groups), len(opt._release.handles)]]
+
+
+def ddp_release_train(net, opt, view, release, steps=3):
+    """Under DDP, ranks with different data: each step a no_sync micro-batch, a synced one under opt.accumulating()
+    (reduced, not stepped), then the synced one. With ``release`` the optimizer is tied to the DDP model: each
+    bucket steps inside the last backward, and opt.step() finds no grad left (checked)."""
+    from torch.nn.parallel import DistributedDataParallel
+    ddp = DistributedDataParallel(net, bucket_cap_mb=0.01, gradient_as_bucket_view=view)  # several buckets
+    if release:
+        opt.release_with(ddp)
+    g = torch.Generator().manual_seed(10 + dist.get_rank())
+    grads_left = 0
+    for _ in range(steps):
+        with ddp.no_sync():
+            ddp(torch.randn(8, 64, generator=g)).pow(2).mean().backward()
+        with opt.accumulating():
+            ddp(torch.randn(8, 64, generator=g)).pow(2).mean().backward()
+        ddp(torch.randn(8, 64, generator=g)).pow(2).mean().backward()
+        grads_left += sum(p.grad is not None for p in net.parameters())
+        opt.step()
+        opt.zero_grad()
+    return [p.detach().clone() for p in net.parameters()], grads_left
+
+
+def ddp_release_checks(result):
+    """Gradient release tied to DDP (opt.release_with) against plain DDP stepping after backward: at the loop and
+    fused levels, 32-bit and 8-bit state, both gradient_as_bucket_view settings, with a no_sync window; and the
+    refusal of plain params under world size 2 without the tie."""
+    from fastoptim.levels import record_paths
+    for impl, bits, view in [("loop", 32, False), ("fused", 32, True), ("loop", 8, True), ("fused", 8, False)]:
+        kwargs = dict(lr=1e-2, impl=impl, state_bits=bits, min_quant_size=0)
+        plain = wide_model()
+        reference, _ = ddp_release_train(plain, fastoptim.AdamW(plain.parameters(), **kwargs), view, False)
+        net = wide_model()
+        opt = fastoptim.AdamW(net.parameters(), gradient_release=True, **kwargs)
+        with record_paths() as paths:
+            params, grads_left = ddp_release_train(net, opt, view, True)
+        label = f"ddp release {impl} {bits}-bit view={view}"
+        result[label] = max_diff(params, reference)
+        result[f"{label} grads left"] = grads_left
+        result[f"{label} buckets"] = opt._release.ddp.buckets_stepped
+        result[f"{label} paths"] = sorted(paths)
+    net = wide_model()
+    opt = fastoptim.AdamW(net.parameters(), gradient_release=True)
+    before = [p.detach().clone() for p in net.parameters()]
+    try:
+        net(torch.randn(8, 64)).sum().backward()
+        result["ddp release untied refused"] = ""
+    except NotImplementedError as e:
+        result["ddp release untied refused"] = str(e)
+    result["ddp release untied unchanged"] = max_diff(net.parameters(), before)
+    from torch.nn.parallel import DistributedDataParallel
+    net, outside = wide_model(), torch.nn.Parameter(torch.ones(3))
+    opt = fastoptim.AdamW([*net.parameters(), outside], gradient_release=True)
+    ddp = DistributedDataParallel(net)
+    opt.release_with(ddp)
+    try:
+        (ddp(torch.randn(8, 64)).sum() + outside.sum()).backward()
+        result["ddp release param outside the model refused"] = ""
+    except NotImplementedError as e:
+        result["ddp release param outside the model refused"] = str(e)
 
 
 def shard(net):
@@ -267,6 +317,18 @@ def main(out_path, levels=LEVELS):
                                                           for a, b in zip(params, reference))
     muon_checks(result, levels)
     release_checks(result)
+    ddp_release_checks(result)
+    if dist.get_rank() == 0:
+        with open(out_path, "w") as f:
+            json.dump(result, f)
+    dist.destroy_process_group()
+
+
+def ddp_release_main(out_path):
+    """ddp_release_checks alone (test_distributed.py runs it on 3 ranks: 1/3 rounds, unlike 1/2)."""
+    dist.init_process_group("gloo")
+    result = {}
+    ddp_release_checks(result)
     if dist.get_rank() == 0:
         with open(out_path, "w") as f:
             json.dump(result, f)
@@ -274,4 +336,7 @@ def main(out_path, levels=LEVELS):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    if sys.argv[1] == "--ddp-release":
+        ddp_release_main(sys.argv[2])
+    else:
+        main(sys.argv[1])

@@ -194,16 +194,50 @@ def test_fsdp2_gradient_release_with_muon_matches_bit_for_bit(dist_results):
     assert result["diff"] == 0.0 and result["flushes"] >= 2 * 3, result
 
 
-def test_gradient_release_refuses_ddp_and_plain_param_groups_added_later(dist_results):
-    """A plain param's hook fires when autograd writes this rank's own grad, before DDP's all-reduce."""
-    for key in ("release ddp refused", "release plain group refused"):
-        message = dist_results[key]
-        assert "before DDP's all-reduce" in message and "gradient_release=False" in message, message
-    # the refused group left nothing: no group, no hook; a sharded group added later is hooked
+def test_fsdp2_release_refuses_clipping_and_hooks_sharded_groups_added_later(dist_results):
+    # a sharded group added later is hooked
     assert dist_results["release groups added"] == [[1, 2], [2, 6]]
     # clipping's measuring backward cannot see FSDP2's sharded grads: refused at construction, naming the choices
     message = dist_results["release fsdp2 clip refused"]
     assert "max_grad_norm=None" in message and "gradient_release=False" in message, message
+
+
+DDP_RELEASE_CASES = [("loop", 32, False), ("fused", 32, True), ("loop", 8, True), ("fused", 8, False)]
+DDP_RELEASE_PATHS = {("loop", 32): {"loop"}, ("fused", 32): {"torch_fused"}, ("loop", 8): {"loop"},
+                     ("fused", 8): {"cpu_kernel"}}
+
+
+@pytest.mark.parametrize("impl,bits,view", DDP_RELEASE_CASES)
+def test_ddp_release_matches_plain_ddp_bit_for_bit(dist_results, impl, bits, view):
+    """opt.release_with(ddp_model): each DDP bucket steps inside backward after its all-reduce, on the reduced
+    grads; two ranks with different data, a no_sync micro-batch before each synced one. The params are plain
+    DDP's (the same optimizer stepping after backward) bit for bit, the tie stepped the buckets (the first
+    backward has one DDP bucket, the later ones two: one steps in the next one's comm hook, the last at the end of
+    backward), on the level's own path, and no grad was left after backward."""
+    label = f"ddp release {impl} {bits}-bit view={view}"
+    assert dist_results[label] == 0.0
+    assert dist_results[f"{label} buckets"] > 3  # 3 stepping backwards: some had more than one bucket
+    assert DDP_RELEASE_PATHS[impl, bits] <= set(dist_results[f"{label} paths"]), dist_results[f"{label} paths"]
+    assert dist_results[f"{label} grads left"] == 0
+
+
+@pytest.mark.slow
+def test_ddp_release_matches_plain_ddp_bit_for_bit_on_three_ranks(tmp_path):
+    """Three ranks: scaling by 1/3 rounds, so the hook must scale each grad as DDP's reducer does (times the
+    reciprocal where it copies the grad into the bucket, divided where the grad was the bucket's view already: the
+    synced backward under opt.accumulating() with gradient_as_bucket_view=True leaves it so)."""
+    launch("dist_worker.py", "--ddp-release", tmp_path / "three.json", nproc=3)
+    result = json.loads((tmp_path / "three.json").read_text())
+    for impl, bits, view in DDP_RELEASE_CASES:
+        assert result[f"ddp release {impl} {bits}-bit view={view}"] == 0.0, (impl, bits, view)
+
+
+def test_ddp_release_without_the_tie_is_refused_before_anything_steps(dist_results):
+    message = dist_results["ddp release untied refused"]
+    assert "world size 2" in message and "opt.release_with(ddp_model)" in message, message
+    assert dist_results["ddp release untied unchanged"] == 0.0
+    message = dist_results["ddp release param outside the model refused"]  # tied, but this param's grad is local
+    assert "tied to a DDP model" in message and "outside that model" in message, message
 
 
 def test_row_split_is_torch_chunk_and_owners_balance_the_work():
@@ -240,6 +274,12 @@ def assert_same_tensors(a, b, where=""):
 DDP = ["train", "--ddp", "--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--n-kv-head", "1", "--block-size",
        "32", "--batch-size", "4", "--steps", "8", "--warmup", "2", "--eval-every", "4", "--eval-batches", "1",
        "--save-every", "4", "--sample-tokens", "0", "--no-progress"]
+# --gradient-release under --ddp (tied to the DDP model), against the same run without it: no clipping (refused
+# with release under DDP), two micro-batches a step (the first under no_sync)
+DDP_RELEASE = ["train", "--ddp", "--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--n-kv-head", "1",
+               "--block-size", "32", "--batch-size", "4", "--steps", "4", "--warmup", "2", "--eval-every", "4",
+               "--eval-batches", "1", "--save-every", "4", "--sample-tokens", "0", "--no-progress",
+               "--max-grad-norm", "none", "--grad-accum-steps", "2"]
 FSDP = ["train", "--fsdp", "--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--n-kv-head", "1", "--block-size",
         "32", "--batch-size", "4", "--steps", "8", "--warmup", "2", "--eval-every", "4", "--eval-batches", "1",
         "--save-every", "4", "--sample-tokens", "0", "--no-progress"]
@@ -291,7 +331,9 @@ def train_runs_in_three_launches(root, levels, train=True):
           LOW_BIT + out("low-two", "--stop-after", "3") + json_to("low-two"),
           LOW_BIT + out("low-one", "--stop-after", "3") + json_to("low-one"),
           RELEASE + out("release-a") + json_to("release-a"), NO_RELEASE + out("no-release") + json_to("no-release"),
-          RELEASE + out("release-b", "--stop-after", "2")],
+          RELEASE + out("release-b", "--stop-after", "2"),
+          DDP_RELEASE + out("ddp-plain") + json_to("ddp-plain"),
+          DDP_RELEASE + out("ddp-release", "--gradient-release") + json_to("ddp-release")],
          2, root / "parity.json", ",".join(levels))
     # what the tests check between the halves: the first half's checkpoint, and the folder it left
     shutil.copy(root / "ddp-b" / "ckpt.pt", root / "ddp-b-half.pt")
@@ -328,6 +370,17 @@ def test_train_ddp_under_torchrun_resumes_bit_identically(train_runs):
         assert_same_tensors(a[key], b[key], key)
     assert_same_tensors(a["optimizer"]["state"], b["optimizer"]["state"], "optimizer state")
     assert_same_tensors(a["optimizer"]["param_groups"], b["optimizer"]["param_groups"], "optimizer param_groups")
+
+
+@pytest.mark.slow
+def test_train_ddp_with_gradient_release_trains_as_without_it(train_runs):
+    """`fastoptim train --ddp --gradient-release`: the optimizer tied to the DDP model, each bucket stepping after
+    its all-reduce; the same losses, lrs and final params as the run that steps after backward."""
+    plain, released = (json.loads((train_runs / f"ddp-{name}.json").read_text()) for name in ("plain", "release"))
+    assert without_timings(released["log"]) == without_timings(plain["log"]) and len(plain["log"]) == 4
+    a, b = (torch.load(train_runs / f"ddp-{name}" / "ckpt.pt", weights_only=False) for name in ("plain", "release"))
+    assert_same_tensors(a["model"], b["model"], "model")
+    assert_same_tensors(a["optimizer"]["state"], b["optimizer"]["state"], "optimizer state")
 
 
 @pytest.mark.slow

@@ -330,21 +330,33 @@ def test_grad_scaler_is_refused_by_name():
         scaler.step(opt)
 
 
-def test_plain_params_refused_under_torch_distributed(monkeypatch):
-    """Under several processes a plain param (DDP's) would step on this rank's grad before its all-reduce; FSDP2's
-    sharded (DTensor) params are released (test_distributed.py). A plain group added later is refused too, and
-    leaves nothing behind; frozen params are never hooked, so they are no reason to refuse."""
-    model = torch.nn.Linear(4, 2)
-    opt = AdamW(model.parameters(), gradient_release=True)
+def test_refused_under_torch_distributed_without_a_ddp_tie(monkeypatch):
+    """World size 2: the release hooks would see local grads. Made (the tie to DDP comes after), but its first
+    backward is refused before anything steps, naming the tie (tests/engine/test_release_ddp.py: with it)."""
     monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
     monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 2)
-    with pytest.raises(NotImplementedError, match="before DDP's all-reduce.*gradient_release=False"):
-        AdamW([torch.nn.Parameter(torch.randn(3))], gradient_release=True)
-    with pytest.raises(NotImplementedError, match=r"a plain tensor of shape \(3,\)"):
-        opt.add_param_group({"params": [torch.nn.Parameter(torch.randn(3))]})
-    assert len(opt.param_groups) == 1 and len(opt._release.handles) == 2
+    p = torch.nn.Parameter(torch.randn(3))
+    opt = AdamW([p], gradient_release=True)
+    before = p.detach().clone()
+    with pytest.raises(NotImplementedError, match=r"before DDP's all-reduce.*opt\.release_with\(ddp_model\)"):
+        (p * p).sum().backward()
+    assert torch.equal(p, before) and opt._release.flushes == 0 and not opt.state
+
+
+def test_frozen_params_and_groups_added_under_torch_distributed(monkeypatch):
+    """Frozen params are never hooked (no reason to refuse); a plain group added later is hooked, and refused at
+    its first backward like the rest (the tie to DDP may come after it)."""
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 2)
+    model = torch.nn.Linear(4, 2)
+    opt = AdamW(model.parameters(), gradient_release=True)
     opt.add_param_group({"params": [torch.nn.Parameter(torch.randn(3), requires_grad=False)]})
-    AdamW([torch.nn.Parameter(torch.randn(3))])  # without release: nothing to refuse
+    assert len(opt.param_groups) == 2 and len(opt._release.handles) == 2
+    q = torch.nn.Parameter(torch.randn(3))
+    opt.add_param_group({"params": [q]})
+    assert len(opt._release.handles) == 3
+    with pytest.raises(NotImplementedError, match=r"opt\.release_with\(ddp_model\)"):
+        (q * q).sum().backward()
 
 
 def test_an_optimizer_that_is_gone_steps_nothing_and_a_new_one_takes_over():

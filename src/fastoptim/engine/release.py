@@ -16,6 +16,10 @@ closure that stepped since the last ``step()`` then means its grads were meant t
 accumulating micro-batches run their backward outside ``optimizer.step``, and nothing global says so): release
 already stepped on them, so that step is refused by name (``call_closure``), never taken as if all were well.
 
+Under torch.distributed with world size > 1 a param's hook sees its local grad: it is refused at its first
+backward, unless the optimizer is tied to the DDP model (``opt.release_with(ddp_model)``, ``release_ddp``), whose
+comm hook then steps each DDP bucket after its all-reduce while these hooks step nothing.
+
 The hooks hold the optimizer weakly: an optimizer that is gone steps nothing, and its hooks are removed. A param
 is released by the newest optimizer that hooked it (``OWNERS``): an optimizer made anew over the same params (a
 reload, a trainer's setup run twice) takes over, and one not yet collected never steps them a second time.
@@ -32,6 +36,8 @@ import torch
 from torch import Tensor
 from torch.utils.weak import WeakIdKeyDictionary
 
+from ..storage.state import is_dtensor
+from . import release_ddp
 from .release_norm import NormPass
 
 OWNERS = WeakIdKeyDictionary()  # param -> the Release that steps it (the newest to hook it)
@@ -75,6 +81,7 @@ class Release:
         self.ready: list[Tensor] = []
         self.ready_bytes = 0
         self.queued_for = None  # the backward (autograd graph task) whose end steps what is left
+        self.world = 1  # torch.distributed's world size, read at the start of each backward
         self.paused = 0  # ``accumulating()`` depth
         self.closures = 0  # ``step(closure)`` closures running: their backward is that step's own
         self.stepped_outside = False  # a bucket stepped outside any closure since the last ``step()``
@@ -82,6 +89,7 @@ class Release:
         self.planned_by: dict[int, object] = {}  # id(param) -> the key of the cached plan that last stepped it
         self.places: dict[int, tuple[int, int]] = {}  # id(param) -> (group index, position), checked at each use
         self.norm: NormPass | None = None  # max_grad_norm's measuring backward (``release_norm``)
+        self.ddp: release_ddp.DDPTie | None = None  # ``opt.release_with(ddp_model)``: DDP's comm hook steps
         if opt.max_grad_norm is not None:
             self.measuring()
 
@@ -156,6 +164,9 @@ class Release:
             self.paused -= 1
 
     def _ready(self, p: Tensor) -> None:
+        if self.ddp is not None and self.ddp.reduces(p):
+            self.ddp.saw(p)  # this grad is local: DDP's comm hook steps the param after its all-reduce
+            return
         opt = self._opt()
         if opt is None or OWNERS.get(p) is not self or self.norm is not None and self.norm.accumulated(p):
             return
@@ -163,9 +174,12 @@ class Release:
             return
         task = torch._C._current_graph_task_id()
         if self.queued_for != task:  # a new backward: its end steps what is left
+            self.world = release_ddp.world_size()
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
             self.queued_for = task
             self.ready, self.ready_bytes = [], 0  # (left by a backward that raised: their grads stay for step())
+        if self.world > 1 and not is_dtensor(p):  # a local grad (one tied to DDP returned above; FSDP2's are reduced)
+            raise NotImplementedError(f"{type(opt).__name__}: {release_ddp.refused(self.world, self.ddp is not None)}")
         self.ready.append(p)
         self.ready_bytes += p.grad.numel() * p.grad.element_size()
         if self.ready_bytes >= self.bucket_bytes:
@@ -221,13 +235,12 @@ def call_closure(opt, closure) -> Any:
 
 
 def check(opt, gradient_release, release_bucket_mb, params=None) -> int | None:
-    """The bucket size in bytes (None: the default), after refusing what release cannot do exactly. ``params``:
-    the params to release, once they are known (the constructor's groups, a group added later); under
-    torch.distributed each must be a DTensor. FSDP2 calls a sharded param's post-accumulate-grad hooks itself,
-    after its reduce-scatter has written the reduced grad (none while ``set_requires_gradient_sync(False)``
-    accumulates), and a DTensor's grad counts its global size, so every rank cuts the same buckets (Muon's gathers
-    are collectives); a plain param's hook fires as soon as autograd writes this rank's own grad, before DDP's
-    all-reduce."""
+    """The bucket size in bytes (None: the default), after refusing what release cannot do exactly. ``params``: the
+    params to release, once they are known (the constructor's groups, a group added later). Under torch.distributed
+    FSDP2 calls a sharded param's post-accumulate-grad hooks itself, after its reduce-scatter has written the reduced
+    grad (none while ``set_requires_gradient_sync(False)`` accumulates), and a DTensor's grad counts its global
+    size, so every rank cuts the same buckets (Muon's gathers are collectives); a plain param's hook fires as soon as
+    autograd writes this rank's own grad, before DDP's all-reduce (``release_ddp``)."""
     name = type(opt).__name__
     if not isinstance(gradient_release, bool):
         raise TypeError(f"{name}: gradient_release must be True or False, got {gradient_release!r}")
@@ -242,20 +255,11 @@ def check(opt, gradient_release, release_bucket_mb, params=None) -> int | None:
     if opt.flat:
         raise ValueError(f"{name}: flat=True with gradient_release=True: flat mode keeps every grad as a view of one "
                          "buffer per group, so freeing a bucket's grads frees no memory. Use one of them")
-    if params is not None and torch.distributed.is_available() and torch.distributed.is_initialized() \
-            and torch.distributed.get_world_size() > 1:
-        from ..storage.state import is_dtensor
-        plain = next((p for p in params if isinstance(p, Tensor) and p.requires_grad
-                      and not is_dtensor(p)), None)
-        if opt.max_grad_norm is not None:
-            raise ValueError(f"{name}: max_grad_norm with gradient_release=True under FSDP2: the measuring backward "
-                             "(measure_grad_norm) sees grads before autograd accumulates them, and FSDP2 writes the "
-                             "sharded grads itself. Use max_grad_norm=None with release, or gradient_release=False")
-        if plain is not None:
-            raise NotImplementedError(
-                f"{name}: gradient_release=True with a param that is not sharded by FSDP2 (a plain tensor of shape "
-                f"{tuple(plain.shape)}) under torch.distributed (world size {torch.distributed.get_world_size()}): "
-                "its bucket would step on this rank's own grad, before DDP's all-reduce. Release under DDP is not "
-                "supported yet; under FSDP2 it is (fully_shard the model before making the optimizer). Use "
-                "gradient_release=False")
+    if params is not None and opt.max_grad_norm is not None and release_ddp.world_size() > 1 \
+            and any(is_dtensor(p) for p in params if isinstance(p, Tensor)):
+        raise ValueError(f"{name}: max_grad_norm with gradient_release=True under FSDP2: the measuring backward "
+                         "(measure_grad_norm) sees grads before autograd accumulates them, and FSDP2 writes the "
+                         "sharded grads itself. Use max_grad_norm=None with release, or gradient_release=False")
+    # (a plain param under torch.distributed with world size > 1 is refused at its first backward, unless tied to
+    # DDP: ``Release._ready``; the tie comes after construction)
     return None if release_bucket_mb is None else max(1, int(release_bucket_mb * (1 << 20)))

@@ -139,9 +139,11 @@ def check_config(cfg: TrainConfig) -> None:
     if cfg.gradient_release:
         refused = [(cfg.flat, "--flat (flat grads are one buffer: nothing is freed)"),
                    (cfg.dtype == "fp16", "--dtype fp16 (GradScaler checks every grad before a step: use bf16)"),
-                   (cfg.ddp, "--ddp (not yet: a bucket would step before its all-reduce; --fsdp can)"),
+                   (cfg.ddp and cfg.max_grad_norm is not None,
+                    "--ddp and clipping (the norm's measuring backward would run DDP's all-reduce too): add "
+                    "--max-grad-norm none"),
                    (cfg.fsdp and cfg.max_grad_norm is not None, "--fsdp and clipping (the measuring backward cannot "
-                    "see FSDP2's sharded grads: give --max-grad-norm none)")]
+                    "see FSDP2's sharded grads): add --max-grad-norm none")]
         why = [text for bad, text in refused if bad]
         if why:
             raise ValueError("--gradient-release steps inside backward and frees each grad at once; it cannot run "
@@ -256,6 +258,8 @@ def _train(cfg: TrainConfig, rank: int, world: int) -> dict:
     if cfg.ddp:
         from torch.nn.parallel import DistributedDataParallel
         train_model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+        if cfg.gradient_release:
+            opt.release_with(train_model)  # each DDP bucket steps after its all-reduce, on the reduced grads
     if cfg.compile:
         train_model = torch.compile(train_model, mode=None if cfg.compile_mode == "default" else cfg.compile_mode)
     autocast = (torch.autocast(device.type, dtype=DTYPES[cfg.dtype]) if cfg.dtype != "fp32" else nullcontext())

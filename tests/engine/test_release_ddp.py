@@ -1,0 +1,73 @@
+"""Gradient release tied to DDP (``opt.release_with(ddp_model)``, ``engine.release_ddp``) in one process: a
+world of one rank (gloo), where DDP runs its reducer and comm hooks as on many. The two-rank checks, bit for bit
+against plain DDP with different data on each rank, are dist_worker.py's (test_distributed.py)."""
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from fastoptim import AdamW
+
+
+@pytest.fixture
+def one_rank(tmp_path):
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 32),
+                               torch.nn.Linear(32, 4))
+
+
+def _train(release, view, steps=3):
+    """Each step: a no_sync micro-batch, a synced one under opt.accumulating() (reduced, not stepped), then the
+    synced one that steps. Returns the params and the grads left after each stepping backward."""
+    net = _model()
+    opt = AdamW(net.parameters(), lr=1e-2, gradient_release=release)
+    ddp = DistributedDataParallel(net, bucket_cap_mb=0.002, gradient_as_bucket_view=view)
+    if release:
+        opt.release_with(ddp)
+    g = torch.Generator().manual_seed(1)
+    left = []
+    for _ in range(steps):
+        with ddp.no_sync():
+            ddp(torch.randn(4, 16, generator=g)).pow(2).mean().backward()
+        with opt.accumulating():
+            ddp(torch.randn(4, 16, generator=g)).pow(2).mean().backward()
+        ddp(torch.randn(4, 16, generator=g)).pow(2).mean().backward()
+        left.append([p.grad is not None for p in net.parameters()])
+        opt.step()
+        opt.zero_grad()
+    return [p.detach() for p in net.parameters()], left, opt
+
+
+@pytest.mark.parametrize("view", [False, True])
+def test_ddp_release_matches_plain_ddp_and_leaves_no_grad(one_rank, view):
+    reference, _, _ = _train(False, view)
+    params, left, opt = _train(True, view)
+    assert all(torch.equal(a, b) for a, b in zip(params, reference))
+    assert left == [[False] * 6] * 3  # every grad set to None at the end of the stepping backward
+    assert opt._release.ddp.buckets_stepped > 3  # the tie stepped (several buckets a backward after the first)
+    assert opt._release.flushes == opt._release.ddp.buckets_stepped
+
+
+def test_release_with_refuses_what_it_cannot_do(one_rank):
+    net = _model()
+    ddp = DistributedDataParallel(net)
+    with pytest.raises(RuntimeError, match="gradient_release=False"):
+        AdamW(net.parameters()).release_with(ddp)
+    opt = AdamW(net.parameters(), gradient_release=True)
+    with pytest.raises(TypeError, match="DistributedDataParallel model, got Sequential"):
+        opt.release_with(net)
+    with pytest.raises(NotImplementedError, match="max_grad_norm=1.0 .* measuring backward would itself run DDP"):
+        AdamW(net.parameters(), gradient_release=True, max_grad_norm=1.0).release_with(ddp)
+    with pytest.raises(NotImplementedError, match="find_unused_parameters=True"):
+        opt.release_with(DistributedDataParallel(_model(), find_unused_parameters=True))
+    assert opt._release.ddp is None  # nothing changed by the refusals
+    opt.release_with(ddp)
+    with pytest.raises(RuntimeError, match="already tied"):
+        opt.release_with(ddp)
