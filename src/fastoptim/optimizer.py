@@ -243,8 +243,8 @@ class FastOptimizer(torch.optim.Optimizer):
         norm = None if self._release is None else self._release.norm
         factor = None if norm is None else norm.factor  # a measured window: what backward left steps by its factor
         self._run(list(enumerate(self.param_groups)), work, grad_mul=factor)
-        if norm is not None:
-            norm.factor = None  # the window ends here
+        if self._release is not None:
+            self._release.new_window()
         return loss
 
     def measure_grad_norm(self):
@@ -254,6 +254,7 @@ class FastOptimizer(torch.optim.Optimizer):
             raise RuntimeError(f"{type(self).__name__}.measure_grad_norm() measures the norm that gradient_release=True "
                                f"clips by; this optimizer has gradient_release={self._release is not None}, "
                                f"max_grad_norm={self.max_grad_norm}: clip in opt.step()")
+        self._release.new_window()  # (hooks for params unfrozen since; the window's norms start anew)
         return self._release.measuring().measure()
 
     @torch.no_grad()
@@ -400,6 +401,8 @@ class FastOptimizer(torch.optim.Optimizer):
     @eager(reason=STEP_NOT_TRACEABLE)  # (as torch.optim's own zero_grad is)
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As torch.optim's. In flat mode ``set_to_none=False`` zeroes each bucket's grad buffer with one memset."""
+        if self.__dict__.get("_release") is not None:
+            self._release.new_window()
         if not self.flat:
             return super().zero_grad(set_to_none)
         for buckets in self._flat_buckets:

@@ -196,6 +196,8 @@ def test_a_checkpoint_between_steps_resumes_as_a_straight_run(level):
     assert resumed._release is not None and released._release.handles  # (both hooked; the newest steps)
     for step in range(2, 5):
         _backward(ours, step)
+        resumed.step()
+        resumed.zero_grad()
         _backward(theirs, step)
         ordinary.step()
         ordinary.zero_grad()
@@ -359,21 +361,24 @@ def test_frozen_params_and_groups_added_under_torch_distributed(monkeypatch):
         (q * q).sum().backward()
 
 
-def test_an_optimizer_that_is_gone_steps_nothing_and_a_new_one_takes_over():
+def test_the_newest_optimizer_releases_and_when_it_is_gone_the_one_before_takes_over():
     model = torch.nn.Linear(4, 2)
     old = SGD(model.parameters(), lr=0.1, gradient_release=True)
     new = SGD(model.parameters(), lr=0.1, gradient_release=True)  # the old one still alive: it must not step
     before = [p.detach().clone() for p in model.parameters()]
+    grads = [torch.ones(2, 4), torch.ones(2)]
     model(torch.ones(4)).sum().backward()
     assert old._release.flushes == 0 and new._release.flushes == 1
-    grads = [torch.ones(2, 4), torch.ones(2)]
     assert all(torch.equal(p, b - 0.1 * g) for p, b, g in zip(model.parameters(), before, grads))
     gone = weakref.ref(new)
     del new
     assert gone() is None
     before = [p.detach().clone() for p in model.parameters()]
-    model(torch.ones(4)).sum().backward()  # no optimizer releases these params now: grads stay, nothing steps
-    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before))
+    model(torch.ones(4)).sum().backward()  # (a throwaway optimizer collected: the one in use releases again)
+    assert old._release.flushes == 1 and all(p.grad is None for p in model.parameters())
+    assert all(torch.equal(p, b - 0.1 * g) for p, b, g in zip(model.parameters(), before, grads))
+    del old
+    model(torch.ones(4)).sum().backward()  # none left: grads stay, as without release
     assert all(p.grad is not None for p in model.parameters())
 
 
@@ -421,11 +426,13 @@ def test_groups_edited_by_hand_are_followed():
     opt = SGD([{"params": [a, b], "lr": 0.1}, {"params": [], "lr": 0.5}], gradient_release=True)
     one = torch.ones(3)
     (a.sum() + b.sum()).backward()
+    opt.step()
     a1 = one.add(one, alpha=-0.1)
     assert torch.equal(a, a1) and torch.equal(b, a1)
     opt.param_groups[0]["params"] = [a]
     opt.param_groups[1]["params"] = [b]
     (a.sum() + b.sum()).backward()
+    opt.step()
     assert torch.equal(a, a1.add(one, alpha=-0.1)) and torch.equal(b, a1.add(one, alpha=-0.5))
     opt.param_groups[1]["params"] = []  # b in no group now: not stepped, its grad left as torch.optim leaves it
     (a.sum() + b.sum()).backward()
@@ -504,3 +511,22 @@ def test_buckets_step_on_the_triton_kernels_under_the_interpreter(monkeypatch, b
         _run(ours, theirs, released, ordinary, steps=2)
     assert ("triton" if bits == 32 else "triton_stored") in paths, paths
     assert len(tasks) > 2 and all(t != -1 for t in tasks), tasks
+
+
+def test_a_second_backward_before_the_step_is_refused():
+    """Two losses backpropagated apart before one step: torch.optim steps once on the sum of their grads; release
+    would step twice, each time on part of it. The second backward is refused (the first stepped, as it would
+    in a loop that steps after each backward)."""
+    model = torch.nn.Linear(4, 2)
+    opt = SGD(model.parameters(), lr=0.1, momentum=0.9, gradient_release=True)
+    model(torch.ones(4)).sum().backward()
+    after_first = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match="second grad to step on.*opt.accumulating"):
+        model(torch.ones(4)).square().sum().backward()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), after_first))
+    opt.step()
+    opt.zero_grad()
+    with opt.accumulating():  # the way to say it
+        model(torch.ones(4)).sum().backward()
+    model(torch.ones(4)).square().sum().backward()
+    assert all(p.grad is None for p in model.parameters())

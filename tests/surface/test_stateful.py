@@ -98,6 +98,7 @@ class UserProgram(RuleBasedStateMachine):
         self.ref = reference_class(spec)(self._groups(self.ref_p), **self.opts, **reference_kwargs(spec))
         self.scalers = None
         self.added = 0
+        self.stepped_in_backward = False  # since the last step() or zero_grad(): another backward would be refused
         self.defer_check = False
         self._as_stored()  # (Adagrad makes its state at once)
 
@@ -148,6 +149,7 @@ class UserProgram(RuleBasedStateMachine):
 
     @rule(data=st.data())
     def step(self, data):
+        self.stepped_in_backward = False
         self._set_grads(data)
         self._step(self.ours.step, self.ref.step)
 
@@ -215,6 +217,7 @@ class UserProgram(RuleBasedStateMachine):
 
     @rule(from_torch=st.booleans())
     def reload_into_a_new_optimizer(self, from_torch):
+        self.stepped_in_backward = False
         source = self.ref if from_torch else self.ours
         buffer = io.BytesIO()
         torch.save(source.state_dict(), buffer)
@@ -244,6 +247,7 @@ class UserProgram(RuleBasedStateMachine):
 
     @rule(set_to_none=st.booleans())
     def zero_grad(self, set_to_none):
+        self.stepped_in_backward = False
         self.ours.zero_grad(set_to_none=set_to_none)
         self.ref.zero_grad(set_to_none=set_to_none)
         for a, b in zip(self.ours_p, self.ref_p):
@@ -274,7 +278,8 @@ class UserProgram(RuleBasedStateMachine):
             self._backward(self.ours_p, reached, weights)
         self._backward(self.ref_p, reached, weights)
 
-    @precondition(lambda self: self.release)
+    # (a second stepping backward before step() or zero_grad() is refused: tests/engine/test_release.py)
+    @precondition(lambda self: self.release and not self.stepped_in_backward)
     @rule(data=st.data())
     def released_backward(self, data):
         """A backward steps the params it reaches inside it (on the grads they had plus its own) and frees their
@@ -293,6 +298,7 @@ class UserProgram(RuleBasedStateMachine):
         assert all(a.grad is None for a, r in zip(self.ours_p, reached) if r), "a released backward left grads"
         if any(reached):
             assert self.ours._release.flushes > flushes, "no bucket stepped inside backward"
+            self.stepped_in_backward = True
         for old, then in self.retired:
             assert old._release.flushes == then, "an optimizer a reload replaced stepped its params"
 

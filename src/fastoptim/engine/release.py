@@ -77,7 +77,8 @@ class Release:
     def __init__(self, opt, bucket_bytes: int | None):
         self._opt = weakref.ref(opt, lambda _: self.remove())
         self.bucket_bytes = bucket_bytes
-        self.handles: dict[int, object] = {}  # id(param) -> its hook's handle
+        self.handles = WeakIdKeyDictionary()  # param -> its hook's handle
+        self.released: set[int] = set()  # params stepped in backward since the last step() or zero_grad()
         self.ready: list[Tensor] = []
         self.ready_bytes = 0
         self.queued_for = None  # the backward (autograd graph task) whose end steps what is left
@@ -103,13 +104,23 @@ class Release:
     def hook(self, params) -> None:
         """Hook each param not hooked yet (a param in two groups is refused by torch before it gets here)."""
         for p in params:
-            if id(p) not in self.handles and p.requires_grad:
-                self.handles[id(p)] = p.register_post_accumulate_grad_hook(self._ready)
+            if p.requires_grad and p not in self.handles:  # (a frozen param is hooked once it requires grad)
+                self.handles[p] = p.register_post_accumulate_grad_hook(self._ready)
                 OWNERS[p] = self
         if self.norm is not None:
             self.norm.hook(params)
         if self.bucket_bytes is None:
             self.bucket_bytes = default_bucket_bytes(self._params())
+
+    def new_window(self) -> None:
+        """``step()`` or ``zero_grad()``: params that started to require grad (unfrozen) get their hooks, and the
+        params may step in backward again."""
+        self.released.clear()
+        params = self._params()
+        if sum(p.requires_grad for p in params) != len(self.handles):
+            self.hook(params)
+        if self.norm is not None:
+            self.norm.end_window()
 
     def _params(self) -> list[Tensor]:
         opt = self._opt()
@@ -168,7 +179,11 @@ class Release:
             self.ddp.saw(p)  # this grad is local: DDP's comm hook steps the param after its all-reduce
             return
         opt = self._opt()
-        if opt is None or OWNERS.get(p) is not self or self.norm is not None and self.norm.accumulated(p):
+        owner = OWNERS.get(p)
+        if owner is not self and owner is not None and owner._opt() is not None:
+            return  # a newer optimizer releases it
+        OWNERS[p] = self  # (where the newer one is gone, this one takes its params back)
+        if opt is None or self.norm is not None and self.norm.accumulated(p):
             return
         if self.paused or accelerate_accumulates() or p.grad is None:
             return
@@ -180,6 +195,9 @@ class Release:
             self.ready, self.ready_bytes = [], 0  # (left by a backward that raised: their grads stay for step())
         if self.world > 1 and not is_dtensor(p):  # a local grad (one tied to DDP returned above; FSDP2's are reduced)
             raise NotImplementedError(f"{type(opt).__name__}: {release_ddp.refused(self.world, self.ddp is not None)}")
+        if id(p) in self.released:
+            raise RuntimeError(f"{type(opt).__name__}: {RELEASED_TWICE}")
+        self.released.add(id(p))
         self.ready.append(p)
         self.ready_bytes += p.grad.numel() * p.grad.element_size()
         if self.ready_bytes >= self.bucket_bytes:
@@ -201,6 +219,12 @@ class Release:
             p.grad = None
 
 
+RELEASED_TWICE = ("gradient_release=True: a param got a second grad to step on since the last opt.step() or "
+                  "zero_grad(): a second backward before the step (two losses backpropagated apart, a backward "
+                  "inside backward such as reentrant checkpointing) would step it again on part of its grad, where "
+                  "torch.optim steps once on their sum. It stepped on the first; this one is refused. Backpropagate "
+                  "the earlier ones under `with opt.accumulating():`, call opt.step() after each backward, or use "
+                  "torch.utils.checkpoint with use_reentrant=False")
 GRADSCALER_REFUSED = ("torch.amp.GradScaler cannot drive an optimizer with gradient_release=True: its buckets step "
                       "inside backward, before GradScaler has unscaled the grads or checked all of them for inf/NaN, "
                       "and a step it would skip cannot be taken back without keeping every grad. The backward just "
@@ -221,6 +245,7 @@ def call_closure(opt, closure) -> Any:
     if rel is not None:
         stepped_outside, rel.stepped_outside = rel.stepped_outside, False
         if closure is not None and stepped_outside:
+            rel.released.clear()  # (the caller was told: the next step starts afresh)
             raise RuntimeError(f"{type(opt).__name__}: {ACCUMULATED_REFUSED}")
     if closure is None:
         return None

@@ -6,16 +6,17 @@
     opt.step()                            # (steps what has a grad left, by the same factor; ends the window)
 
 The clip factor needs every grad, and release frees each grad as its bucket steps: so the norm is taken in a
-backward of its own. There, a hook on each param sees the grad about to be accumulated, takes the norm of what the
-param's grad would then be (its grad so far plus the incoming one, as accumulation adds them), and hands
-accumulation ``-0.0`` in its place: adding ``-0.0`` changes no value (``x + -0.0 == x`` for every float, signed
-zeros and NaN included), and a grad the pass had to create is set back to None. The norms are combined as
-``clip.grad_norm`` combines them for ``opt.step()``, in the same order: the factor is the ordinary step's, bit for bit.
+backward of its own. There each param's grad is accumulated as usual (every grad hook of the user's applied), its
+norm taken in the param's dtype (as ``opt.step()`` reads it) once accumulation is done, and the grad put back as it
+was before this backward: None, or a copy taken just before (a param whose grad was accumulating: one param-sized
+copy at a time). The norms are combined as ``clip.grad_norm`` combines them for ``opt.step()``, in the same order:
+the factor is the ordinary step's, bit for bit.
 
-Cost: one more backward per optimizer step (about a third more compute than forward plus backward, less where the
-graph is recomputed anyway); memory: the graph is kept from the first backward to the second (as it is kept at the
-start of any backward), and one param-sized temporary at a time. Without a measured norm a released bucket with
-``max_grad_norm`` refuses to step (before anything changed), so clipping is never skipped in silence.
+Cost: one more backward per optimizer step (a backward is about two thirds of a training step's compute); memory:
+the graph is kept from the first backward to the second (as it is kept at the start of any backward). Without a
+measured norm a released bucket with ``max_grad_norm`` refuses to step (before anything changed), so clipping is
+never skipped in silence; a param measured twice in one window (a backward inside a backward: reentrant
+checkpointing) is refused, as its norm would be of part of its grad.
 """
 
 from __future__ import annotations
@@ -27,9 +28,13 @@ from typing import Iterator
 
 import torch
 from torch import Tensor
+from torch.utils.weak import WeakIdKeyDictionary
 
 from .. import clip
 
+MEASURED_TWICE = ("a param's grad was measured twice in one window by measure_grad_norm(): a backward inside the "
+                  "measuring backward (reentrant checkpointing: use torch.utils.checkpoint with use_reentrant=False), "
+                  "or two measuring backwards before one opt.step(). Nothing has stepped")
 NOT_MEASURED = ("max_grad_norm with gradient_release=True: the global grad norm of this step was not measured, and a "
                 "released bucket cannot be clipped without it. Measure it in a backward of its own first:\n"
                 "    with opt.measure_grad_norm():\n        loss.backward(retain_graph=True)\n    loss.backward()\n"
@@ -42,22 +47,27 @@ class NormPass:
 
     def __init__(self, opt):
         self._opt = weakref.ref(opt)
-        self.handles: dict[int, object] = {}
+        self.handles = WeakIdKeyDictionary()  # param -> its hook's handle
         self.measuring = 0
         self.queued_for = None
-        self.norms: dict[int, tuple] = {}  # id(param) -> (param, (key, norm) or None) of this pass
-        self.created: set[int] = set()  # params whose grad this pass created (set back to None)
+        self.kept: dict[int, Tensor] = {}  # id(param) -> its grad before this backward, while it accumulates
+        self.norms: dict[int, tuple] = {}  # id(param) -> (param, (key, norm) or None) of this window
         self.factor: Tensor | None = None  # the measured window's clip factor, until ``step()`` ends it
 
     def hook(self, params) -> None:
         for p in params:
-            if id(p) not in self.handles and p.requires_grad:
-                self.handles[id(p)] = p.register_hook(functools.partial(self._incoming, weakref.ref(p)))
+            if p.requires_grad and p not in self.handles:
+                self.handles[p] = p.register_hook(functools.partial(self._incoming, weakref.ref(p)))
 
     def remove(self) -> None:
         for handle in self.handles.values():
             handle.remove()
         self.handles.clear()
+
+    def end_window(self) -> None:
+        """``step()`` or ``zero_grad()``: the measured norm served its window."""
+        self.factor = None
+        self.norms = {}
 
     @contextmanager
     def measure(self) -> Iterator[None]:
@@ -67,37 +77,40 @@ class NormPass:
         finally:
             self.measuring -= 1
 
-    def _incoming(self, ref, grad: Tensor) -> Tensor | None:
+    def _incoming(self, ref, grad: Tensor) -> None:
+        """Before accumulation (this hook runs first of the param's grad hooks): a grad already there is kept."""
         p = ref()
-        if not self.measuring or p is None:
-            return None
-        task = torch._C._current_graph_task_id()
-        if self.queued_for != task:
-            torch.autograd.Variable._execution_engine.queue_callback(self._measured)
-            self.queued_for, self.norms = task, {}
-        if p.grad is None:
-            self.created.add(id(p))
-            total = grad
-        else:
-            total = p.grad + grad  # what accumulation will leave (in place: the same sum)
-        self.norms[id(p)] = (p, clip.tensor_norm(total))
-        return torch.tensor(-0.0, dtype=grad.dtype, device=grad.device).expand_as(grad)
+        if self.measuring and p is not None and p.grad is not None:
+            self.kept[id(p)] = p.grad.clone()
 
     def accumulated(self, p: Tensor) -> bool:
-        """Called by the release hook: True while measuring (no bucket then); a grad this pass made goes."""
+        """Called by the release hook once ``p``'s grad is accumulated: True while measuring (no bucket then). The
+        norm of that grad is taken, and the grad put back as it was before this backward."""
         if not self.measuring:
             return False
-        if id(p) in self.created:
-            self.created.discard(id(p))
+        opt = self._opt()
+        if id(p) in self.norms:
+            raise RuntimeError(f"{type(opt).__name__}: {MEASURED_TWICE}")
+        task = torch._C._current_graph_task_id()
+        if self.queued_for != task:  # (each backward's end takes the window's norm so far: the last one counts)
+            torch.autograd.Variable._execution_engine.queue_callback(self._measured)
+            self.queued_for = task
+        grad = p.grad if p.grad.dtype == p.dtype else p.grad.to(p.dtype)  # (as ``opt.step()`` reads it)
+        self.norms[id(p)] = (p, clip.tensor_norm(grad))
+        kept = self.kept.pop(id(p), None)
+        if kept is None:
             p.grad = None
+        else:
+            p.grad.copy_(kept)
         return True
 
     def _measured(self) -> None:
         """The end of the measuring backward: the norm of the grads this window steps on, in ``opt.step()``'s order
         (a param the pass did not reach counts with the grad it holds), and its clip factor."""
         self.queued_for = None
+        self.kept.clear()
         opt = self._opt()
-        norms, self.norms = self.norms, {}
+        norms = self.norms
         if opt is None:
             return
         keyed, first = [], None
@@ -108,7 +121,8 @@ class NormPass:
                     continue
                 if first is None:
                     first = p.device
-                entry = found[1] if found is not None else clip.tensor_norm(p.grad)
+                grad = None if found is not None else p.grad if p.grad.dtype == p.dtype else p.grad.to(p.dtype)
+                entry = found[1] if found is not None else clip.tensor_norm(grad)
                 if entry is not None:
                     keyed.append(entry)
         total = clip.total_norm(keyed, first)

@@ -143,7 +143,9 @@ def check_config(cfg: TrainConfig) -> None:
                     "--ddp and clipping (the norm's measuring backward would run DDP's all-reduce too): add "
                     "--max-grad-norm none"),
                    (cfg.fsdp and cfg.max_grad_norm is not None, "--fsdp and clipping (the measuring backward cannot "
-                    "see FSDP2's sharded grads): add --max-grad-norm none")]
+                    "see FSDP2's sharded grads): add --max-grad-norm none"),
+                   (cfg.compile and cfg.max_grad_norm is not None, "--compile and clipping (the measuring backward "
+                    "keeps the graph, which a compiled model's backward refuses): add --max-grad-norm none")]
         why = [text for bad, text in refused if bad]
         if why:
             raise ValueError("--gradient-release steps inside backward and frees each grad at once; it cannot run "
