@@ -40,7 +40,9 @@ from ..storage.state import is_dtensor
 from . import release_ddp
 from .release_norm import NormPass
 
-OWNERS = WeakIdKeyDictionary()  # param -> the Release that steps it (the newest to hook it)
+# id(param) -> the Release that steps it (the newest to hook it); a param's entry goes with the param. (A plain dict:
+# the hook reads it for every param in every backward, and a weak-keyed lookup costs several times more.)
+OWNERS: dict[int, "Release"] = {}
 MAX_BUCKET_BYTES = 32 << 20   # the default bucket: 1/32 of the params' bytes, at most this
 MIN_BUCKET_BYTES = 64 << 10   # ... and at least this (a bucket of a few small tensors costs more calls than it saves)
 BUCKETS_PER_MODEL = 32
@@ -83,6 +85,7 @@ class Release:
         self.ready_bytes = 0
         self.queued_for = None  # the backward (autograd graph task) whose end steps what is left
         self.world = 1  # torch.distributed's world size, read at the start of each backward
+        self.accumulates = False  # whether accelerate says this backward accumulates, read at its start
         self.paused = 0  # ``accumulating()`` depth
         self.closures = 0  # ``step(closure)`` closures running: their backward is that step's own
         self.stepped_outside = False  # a bucket stepped outside any closure since the last ``step()``
@@ -106,7 +109,9 @@ class Release:
         for p in params:
             if p.requires_grad and p not in self.handles:  # (a frozen param is hooked once it requires grad)
                 self.handles[p] = p.register_post_accumulate_grad_hook(self._ready)
-                OWNERS[p] = self
+                if id(p) not in OWNERS:
+                    weakref.finalize(p, OWNERS.pop, id(p), None)  # (runs as p goes, before its id can be reused)
+                OWNERS[id(p)] = self
         if self.norm is not None:
             self.norm.hook(params)
         if self.bucket_bytes is None:
@@ -178,21 +183,23 @@ class Release:
         if self.ddp is not None and self.ddp.reduces(p):
             self.ddp.saw(p)  # this grad is local: DDP's comm hook steps the param after its all-reduce
             return
+        owner = OWNERS.get(id(p))
+        if owner is not self:
+            if owner is not None and owner._opt() is not None:
+                return  # a newer optimizer releases it
+            OWNERS[id(p)] = self  # (the newer one is gone: this one takes its params back)
         opt = self._opt()
-        owner = OWNERS.get(p)
-        if owner is not self and owner is not None and owner._opt() is not None:
-            return  # a newer optimizer releases it
-        OWNERS[p] = self  # (where the newer one is gone, this one takes its params back)
-        if opt is None or self.norm is not None and self.norm.accumulated(p):
-            return
-        if self.paused or accelerate_accumulates() or p.grad is None:
+        if opt is None or self.norm is not None and self.norm.accumulated(p) or self.paused or p.grad is None:
             return
         task = torch._C._current_graph_task_id()
         if self.queued_for != task:  # a new backward: its end steps what is left
             self.world = release_ddp.world_size()
+            self.accumulates = accelerate_accumulates()  # (set before a backward, read once per backward)
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
             self.queued_for = task
             self.ready, self.ready_bytes = [], 0  # (left by a backward that raised: their grads stay for step())
+        if self.accumulates:
+            return
         if self.world > 1 and not is_dtensor(p):  # a local grad (one tied to DDP returned above; FSDP2's are reduced)
             raise NotImplementedError(f"{type(opt).__name__}: {release_ddp.refused(self.world, self.ddp is not None)}")
         if id(p) in self.released:

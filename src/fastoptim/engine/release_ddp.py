@@ -135,7 +135,7 @@ class DDPTie:
         future.wait()
         rel, params = self.rel, []
         for p, grad in zip(bucket.parameters(), bucket.gradients()):
-            if release.OWNERS.get(p) is rel:  # (an optimizer made anew over these params steps them)
+            if release.OWNERS.get(id(p)) is rel:  # (an optimizer made anew over these params steps them)
                 if p.grad is None or p.grad.data_ptr() != grad.data_ptr():
                     p.grad = grad  # the reduced grad (its own local one is dropped here)
                 params.append(p)
