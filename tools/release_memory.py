@@ -4,6 +4,7 @@ by side, each in its own process, and prints a markdown table.
     python tools/release_memory.py [--config default|100m|both] [--bits 32,8] [--steps 6] [--rounds 1]
                                    [--malloc glibc|live]
     python tools/release_memory.py --many-tensors ROUNDS
+    python tools/release_memory.py --in-process ROUNDS [--config ...] [--bits ...]
 
 Peak memory is the process's maximum resident memory over its whole life (``peak_rss_mb`` of the summary): the
 runs differ only in the flag, so the difference is what release saves, set against the grads' bytes (fp32 params:
@@ -47,32 +48,20 @@ def run(config: str, bits: int, release: bool, steps: int, out: str, malloc: str
             "loss": summary["final_loss"]}
 
 
-def many_tensors(rounds: int, layers: int = 2000, width: int = 32) -> None:
-    """Buckets against a call per param: a stack of ``layers`` small Linear layers (2 tensors each), a training
-    step (forward, backward, step) timed without release, with the default buckets, and with a bucket per param;
-    the three alternate within each round, and each overhead is the median of its per-round ratios."""
+def side_by_side(title: str, build, loss_of, kinds: dict, rounds: int) -> None:
+    """A training step (forward, backward, step, zero_grad) of each kind of optimizer, on models built alike, in
+    one process: the kinds alternate within each round (ABBA), and each overhead is the median of its per-round
+    ratios to the first kind, so the machine's drift falls on all alike."""
     import time
 
     import torch
 
-    import fastoptim
-
-    def model():
-        torch.manual_seed(0)
-        return torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)])
-
-    kinds = {"off": {}, "buckets": dict(gradient_release=True), "per param": dict(gradient_release=True,
-                                                                                    release_bucket_mb=1e-6)}
-    runs = {}
-    for kind, extra in kinds.items():
-        m = model()
-        runs[kind] = (m, fastoptim.AdamW(m.parameters(), lr=1e-4, **extra))
-    x = torch.randn(8, width)
+    runs = {kind: build(extra) for kind, extra in kinds.items()}
 
     def step(kind):
-        m, opt = runs[kind]
+        model, opt = runs[kind]
         t0 = time.perf_counter()
-        m(x).square().mean().backward()
+        loss_of(model).backward()
         opt.step()
         opt.zero_grad()
         return time.perf_counter() - t0
@@ -83,12 +72,57 @@ def many_tensors(rounds: int, layers: int = 2000, width: int = 32) -> None:
     for r in range(rounds):
         for kind in (list(kinds) if r % 2 == 0 else list(reversed(kinds))):
             times[kind].append(step(kind))
-    base = times["off"]
-    print(f"\n{layers * 2} tensors ({layers} Linear({width}, {width})), AdamW, a training step, median of {rounds}:")
+    base = times[next(iter(kinds))]
+    print(f"\n{title}, a training step, median of {rounds} rounds (torch threads: {torch.get_num_threads()}):")
     print("| release | step (ms) | overhead |\n|---|---|---|")
     for kind in kinds:
         ratio = statistics.median(t / b for t, b in zip(times[kind], base)) - 1
-        print(f"| {kind} | {statistics.median(times[kind]) * 1e3:.1f} | {ratio:+.1%} |")
+        print(f"| {kind} | {statistics.median(times[kind]) * 1e3:.1f} | {ratio:+.1%} |", flush=True)
+
+
+def many_tensors(rounds: int, layers: int = 2000, width: int = 32) -> None:
+    """Buckets against a call per param: a stack of ``layers`` small Linear layers (2 tensors each)."""
+    import torch
+
+    import fastoptim
+
+    def build(extra):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)])
+        return model, fastoptim.AdamW(model.parameters(), lr=1e-4, **extra)
+
+    x = torch.randn(8, width)
+    kinds = {"off": {}, "buckets": dict(gradient_release=True),
+             "per param": dict(gradient_release=True, release_bucket_mb=1e-6)}
+    side_by_side(f"{layers * 2} tensors ({layers} Linear({width}, {width})), AdamW", build,
+                 lambda m: m(x).square().mean(), kinds, rounds)
+
+
+def gpt(rounds: int, config: str, bits: int) -> None:
+    """``fastoptim train``'s GPT (its defaults, or the 100M config) with AdamW as train makes it, no clipping."""
+    import dataclasses
+
+    import torch
+
+    from fastoptim import factory
+    from fastoptim.train.loop import TrainConfig
+    from fastoptim.train.model import GPT, GPTConfig
+
+    sizes = dict(zip(CONFIGS[config][0::2], CONFIGS[config][1::2]))
+    cfg = TrainConfig(**{k[2:].replace("-", "_"): int(v) for k, v in sizes.items() if k != "--grad-checkpointing"})
+    fields = {f.name for f in dataclasses.fields(GPTConfig)}
+    model_cfg = GPTConfig(**{k: v for k, v in dataclasses.asdict(cfg).items() if k in fields})
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 256, (cfg.batch_size, cfg.block_size), generator=g)
+    y = torch.randint(0, 256, (cfg.batch_size, cfg.block_size), generator=g)
+
+    def build(extra):
+        torch.manual_seed(0)
+        model = GPT(model_cfg)
+        return model, factory.create(model, "adamw", lr=1e-4, weight_decay=0.1, state_bits=bits, **extra)
+
+    side_by_side(f"the {config} GPT, {bits}-bit state", build, lambda m: m(x, y)[1],
+                 {"off": {}, "buckets": dict(gradient_release=True)}, rounds)
 
 
 def main() -> None:
@@ -101,9 +135,16 @@ def main() -> None:
                     help="glibc: the allocator as it comes; live: freed blocks over 64 KiB go back to the system")
     ap.add_argument("--many-tensors", type=int, default=0, metavar="ROUNDS",
                     help="instead: buckets against a call per param on 4000 small tensors, ROUNDS rounds")
+    ap.add_argument("--in-process", type=int, default=0, metavar="ROUNDS",
+                    help="instead: step time of the GPT configs with and without release, alternating in one process")
     args = ap.parse_args()
     if args.many_tensors:
         return many_tensors(args.many_tensors)
+    if args.in_process:
+        for config in (list(CONFIGS) if args.config == "both" else [args.config]):
+            for bits in map(int, args.bits.split(",")):
+                gpt(args.in_process, config, bits)
+        return None
     configs = list(CONFIGS) if args.config == "both" else [args.config]
     print("| config | params | state | peak RSS off (MiB) | peak RSS on (MiB) | saved (MiB) | grad bytes (MiB) "
           "| saved / grad bytes | tokens/s off | tokens/s on | step-time overhead | same loss |")
