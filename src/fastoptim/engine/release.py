@@ -29,8 +29,7 @@ from __future__ import annotations
 
 import sys
 import weakref
-from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -38,7 +37,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from ..storage.state import is_dtensor
 from . import release_ddp
-from .release_norm import NormPass
+from .release_norm import NormPass, counting
 
 # id(param) -> the Release that steps it (the newest to hook it); a param's entry goes with the param. (A plain dict:
 # the hook reads it for every param in every backward, and a weak-keyed lookup costs several times more.)
@@ -172,13 +171,8 @@ class Release:
         if self.norm is not None:
             self.norm.remove()
 
-    @contextmanager
-    def accumulating(self) -> Iterator[None]:
-        self.paused += 1
-        try:
-            yield
-        finally:
-            self.paused -= 1
+    def accumulating(self):
+        return counting(self, "paused")
 
     def _ready(self, p: Tensor) -> None:
         if self.ddp is not None and self.ddp.reduces(p):

@@ -42,6 +42,16 @@ NOT_MEASURED = ("max_grad_norm with gradient_release=True: the global grad norm 
                 "Nothing has stepped in this backward")
 
 
+@contextmanager
+def counting(owner, attr: str) -> Iterator[None]:
+    """``owner.<attr>`` one higher while the block runs (blocks nest)."""
+    setattr(owner, attr, getattr(owner, attr) + 1)
+    try:
+        yield
+    finally:
+        setattr(owner, attr, getattr(owner, attr) - 1)
+
+
 class NormPass:
     """The measuring hooks of one optimizer's release, and the clip factor they measured."""
 
@@ -69,13 +79,8 @@ class NormPass:
         self.factor = None
         self.norms = {}
 
-    @contextmanager
-    def measure(self) -> Iterator[None]:
-        self.measuring += 1
-        try:
-            yield
-        finally:
-            self.measuring -= 1
+    def measure(self):
+        return counting(self, "measuring")
 
     def _incoming(self, ref, grad: Tensor) -> None:
         """Before accumulation (this hook runs first of the param's grad hooks): a grad already there is kept."""
