@@ -530,3 +530,16 @@ def test_a_second_backward_before_the_step_is_refused():
         model(torch.ones(4)).sum().backward()
     model(torch.ones(4)).square().sum().backward()
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_accelerate_fp16_is_refused_before_anything_steps(monkeypatch):
+    """accelerate's fp16 mixed precision runs a GradScaler: its state says so before backward, so release refuses
+    at the first hook, with the params as they were."""
+    accelerate_state = pytest.importorskip("accelerate.state")
+    monkeypatch.setitem(accelerate_state.AcceleratorState._shared_state, "_mixed_precision", "fp16")
+    model = torch.nn.Linear(4, 2)
+    opt = AdamW(model.parameters(), gradient_release=True)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match="fp16 mixed precision.*Nothing has stepped"):
+        model(torch.ones(4)).sum().backward()
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before)) and not opt.state

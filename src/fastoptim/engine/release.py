@@ -73,6 +73,14 @@ def _first(item: tuple) -> int:
     return item[0]
 
 
+def accelerate_scales() -> bool:
+    """Whether accelerate runs fp16 mixed precision (with a GradScaler, which release refuses): its
+    ``AcceleratorState`` (shared by all its instances) says so before any backward."""
+    state = sys.modules.get("accelerate.state")
+    shared = getattr(getattr(state, "AcceleratorState", None), "_shared_state", None)
+    return bool(shared) and shared.get("_mixed_precision") == "fp16"
+
+
 class Release:
     """One optimizer's hooks and its ready bucket."""
 
@@ -190,6 +198,9 @@ class Release:
         if self.queued_for != task:  # a new backward: its end steps what is left
             self.world = release_ddp.world_size()
             self.accumulates = accelerate_accumulates()  # (set before a backward, read once per backward)
+            if accelerate_scales():  # refused before anything steps (plain GradScaler: at its step, after)
+                raise RuntimeError(f"{type(opt).__name__}: accelerate's fp16 mixed precision: "
+                                   + GRADSCALER_WHY.format(moved="Nothing has stepped. "))
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
             self.queued_for = task
             self.ready, self.ready_bytes = [], 0  # (left by a backward that raised: their grads stay for step())
@@ -227,11 +238,12 @@ RELEASED_TWICE = ("gradient_release=True: a param got a second grad to step on s
                   "torch.optim steps once on their sum. It stepped on the first; this one is refused. Backpropagate "
                   "the earlier ones under `with opt.accumulating():`, call opt.step() after each backward, or use "
                   "torch.utils.checkpoint with use_reentrant=False")
-GRADSCALER_REFUSED = ("torch.amp.GradScaler cannot drive an optimizer with gradient_release=True: its buckets step "
-                      "inside backward, before GradScaler has unscaled the grads or checked all of them for inf/NaN, "
-                      "and a step it would skip cannot be taken back without keeping every grad. The backward just "
-                      "run has stepped the params on scaled grads: reload them from a checkpoint. Use bf16 autocast "
-                      "(no GradScaler), or gradient_release=False")
+GRADSCALER_WHY = ("torch.amp.GradScaler cannot drive an optimizer with gradient_release=True: its buckets step inside "
+                  "backward, before GradScaler has unscaled the grads or checked all of them for inf/NaN, and a step "
+                  "it would skip cannot be taken back without keeping every grad. {moved}Use bf16 autocast (no "
+                  "GradScaler), or gradient_release=False")
+GRADSCALER_REFUSED = GRADSCALER_WHY.format(moved="The backward just run has stepped the params on scaled grads: "
+                                           "reload them from a checkpoint. ")
 ACCUMULATED_REFUSED = ("step(closure) after a backward outside the closure stepped the params since the last step(): "
                        "its grads were meant to add up into this step (Lightning's accumulate_grad_batches > 1 runs "
                        "the first micro-batches' backward outside optimizer.step), and gradient_release=True stepped "
