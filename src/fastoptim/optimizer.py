@@ -237,7 +237,10 @@ class FastOptimizer(torch.optim.Optimizer):
     @eager(reason=STEP_NOT_TRACEABLE)
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None):
-        loss = release.call_closure(self, closure)  # (with release: its backward is this step's)
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
         self._resolve_skips()
         work = [self._collect(index, group) for index, group in enumerate(self.param_groups)]  # validates
         norm = None if self._release is None else self._release.norm

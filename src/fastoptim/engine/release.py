@@ -11,10 +11,9 @@ A backward under ``accumulating()`` (or while accelerate says the gradients do n
 grads add up as usual, and the next backward steps on their sum. ``opt.step()`` steps whatever has a grad left
 (a backward that accumulated, grads set by hand); ``zero_grad()`` stays valid.
 
-``step(closure)`` runs the closure's backward as this step's own (Lightning steps so). A backward outside any
-closure that stepped since the last ``step()`` then means its grads were meant to add up into this step (Lightning's
-accumulating micro-batches run their backward outside ``optimizer.step``, and nothing global says so): release
-already stepped on them, so that step is refused by name (``call_closure``), never taken as if all were well.
+A second stepping backward before ``opt.step()`` or ``zero_grad()`` is refused (``RELEASED_TWICE``): torch.optim
+would step once on the sum of both grads. That also catches Lightning's accumulating micro-batches, whose backward
+runs outside ``optimizer.step`` with nothing global to say so (``integrations.lightning.GradientRelease`` says it).
 
 Under torch.distributed with world size > 1 a param's hook sees its local grad: it is refused at its first
 backward, unless the optimizer is tied to the DDP model (``opt.release_with(ddp_model)``, ``release_ddp``), whose
@@ -29,7 +28,6 @@ from __future__ import annotations
 
 import sys
 import weakref
-from typing import Any
 
 import torch
 from torch import Tensor
@@ -39,9 +37,22 @@ from ..storage.state import is_dtensor
 from . import release_ddp
 from .release_norm import NormPass, counting
 
-# id(param) -> the Release that steps it (the newest to hook it); a param's entry goes with the param. (A plain dict:
-# the hook reads it for every param in every backward, and a weak-keyed lookup costs several times more.)
-OWNERS: dict[int, "Release"] = {}
+# id(param) -> a weak reference to the Release that steps it (the newest to hook it); a param's entry goes with the
+# param. (A plain dict: the hook reads it for every param in every backward, and a weak-keyed lookup costs several
+# times more; the value is weak so that no optimizer's leftovers are kept alive through it.)
+OWNERS: dict[int, "weakref.ref[Release]"] = {}
+
+
+def owns(rel: "Release", p: Tensor) -> bool:
+    """Whether ``rel`` releases ``p``: it hooked it last, or the one that did is gone (it then takes ``p`` back)."""
+    ref = OWNERS.get(id(p))
+    owner = None if ref is None else ref()
+    if owner is rel:
+        return True
+    if owner is not None and owner._opt() is not None:
+        return False  # a newer optimizer releases it
+    OWNERS[id(p)] = rel.ref
+    return True
 MAX_BUCKET_BYTES = 32 << 20   # the default bucket: 1/32 of the params' bytes, at most this
 MIN_BUCKET_BYTES = 1 << 20    # ... and at least this: a bucket's step costs about half a millisecond of Python on the
                               # CPU, which a smaller model's few saved bytes do not pay for
@@ -86,6 +97,8 @@ class Release:
 
     def __init__(self, opt, bucket_bytes: int | None):
         self._opt = weakref.ref(opt, lambda _: self.remove())
+        self.ref = weakref.ref(self)
+        self.hooked: set[int] = set()  # id(param) of the params hooked (an entry goes with its param)
         self.bucket_bytes = bucket_bytes
         self.handles = WeakIdKeyDictionary()  # param -> its hook's handle
         self.released: set[int] = set()  # params stepped in backward since the last step() or zero_grad()
@@ -95,8 +108,6 @@ class Release:
         self.world = 1  # torch.distributed's world size, read at the start of each backward
         self.accumulates = False  # whether accelerate says this backward accumulates, read at its start
         self.paused = 0  # ``accumulating()`` depth
-        self.closures = 0  # ``step(closure)`` closures running: their backward is that step's own
-        self.stepped_outside = False  # a bucket stepped outside any closure since the last ``step()``
         self.flushes = 0  # buckets stepped (tests check that release ran)
         self.planned_by: dict[int, object] = {}  # id(param) -> the key of the cached plan that last stepped it
         self.places: dict[int, tuple[int, int]] = {}  # id(param) -> (group index, position), checked at each use
@@ -119,7 +130,9 @@ class Release:
                 self.handles[p] = p.register_post_accumulate_grad_hook(self._ready)
                 if id(p) not in OWNERS:
                     weakref.finalize(p, OWNERS.pop, id(p), None)  # (runs as p goes, before its id can be reused)
-                OWNERS[id(p)] = self
+                weakref.finalize(p, self.hooked.discard, id(p))
+                self.hooked.add(id(p))
+                OWNERS[id(p)] = self.ref
         if self.norm is not None:
             self.norm.hook(params)
         if self.bucket_bytes is None:
@@ -129,8 +142,8 @@ class Release:
         """``step()`` or ``zero_grad()``: params that started to require grad (unfrozen) get their hooks, and the
         params may step in backward again."""
         self.released.clear()
-        params = self._params()
-        if sum(p.requires_grad for p in params) != len(self.handles):
+        params, hooked = self._params(), self.hooked
+        if any(p.requires_grad and id(p) not in hooked for p in params):
             self.hook(params)
         if self.norm is not None:
             self.norm.end_window()
@@ -184,13 +197,12 @@ class Release:
 
     def _ready(self, p: Tensor) -> None:
         if self.ddp is not None and self.ddp.reduces(p):
+            if id(p) in self.released and not self.paused:  # (as below: a second grad before the step)
+                raise RuntimeError(f"{type(self._opt()).__name__}: {RELEASED_TWICE}")
             self.ddp.saw(p)  # this grad is local: DDP's comm hook steps the param after its all-reduce
             return
-        owner = OWNERS.get(id(p))
-        if owner is not self:
-            if owner is not None and owner._opt() is not None:
-                return  # a newer optimizer releases it
-            OWNERS[id(p)] = self  # (the newer one is gone: this one takes its params back)
+        if not owns(self, p):
+            return
         opt = self._opt()
         if opt is None or self.norm is not None and self.norm.accumulated(p) or self.paused or p.grad is None:
             return
@@ -227,7 +239,6 @@ class Release:
         params, self.ready, self.ready_bytes = self.ready, [], 0
         stepped = opt._release_step(params)  # (a step that raises leaves the grads for ``opt.step()``)
         self.flushes += 1
-        self.stepped_outside |= not self.closures
         for p in stepped:  # (a param no group holds any more kept its grad, as torch.optim's step keeps it)
             p.grad = None
 
@@ -236,42 +247,15 @@ RELEASED_TWICE = ("gradient_release=True: a param got a second grad to step on s
                   "zero_grad(): a second backward before the step (two losses backpropagated apart, a backward "
                   "inside backward such as reentrant checkpointing) would step it again on part of its grad, where "
                   "torch.optim steps once on their sum. It stepped on the first; this one is refused. Backpropagate "
-                  "the earlier ones under `with opt.accumulating():`, call opt.step() after each backward, or use "
-                  "torch.utils.checkpoint with use_reentrant=False")
+                  "the earlier ones under `with opt.accumulating():` (Lightning's accumulate_grad_batches: "
+                  "callbacks=[fastoptim.integrations.lightning.GradientRelease()]), call opt.step() after each "
+                  "backward, or use torch.utils.checkpoint with use_reentrant=False")
 GRADSCALER_WHY = ("torch.amp.GradScaler cannot drive an optimizer with gradient_release=True: its buckets step inside "
                   "backward, before GradScaler has unscaled the grads or checked all of them for inf/NaN, and a step "
                   "it would skip cannot be taken back without keeping every grad. {moved}Use bf16 autocast (no "
                   "GradScaler), or gradient_release=False")
 GRADSCALER_REFUSED = GRADSCALER_WHY.format(moved="The backward just run has stepped the params on scaled grads: "
                                            "reload them from a checkpoint. ")
-ACCUMULATED_REFUSED = ("step(closure) after a backward outside the closure stepped the params since the last step(): "
-                       "its grads were meant to add up into this step (Lightning's accumulate_grad_batches > 1 runs "
-                       "the first micro-batches' backward outside optimizer.step), and gradient_release=True stepped "
-                       "on each of them alone. The params have moved: reload them from a checkpoint. Say which "
-                       "backward accumulates: in Lightning, callbacks=[fastoptim.integrations.lightning."
-                       "GradientRelease()]; elsewhere, `with opt.accumulating(): loss.backward()`")
-
-
-def call_closure(opt, closure) -> Any:
-    """``step(closure)``'s loss: the closure runs with grad enabled, as torch.optim's do. With release, its backward
-    steps the buckets as this step's own, and a step whose grads were partly released before is refused."""
-    rel = getattr(opt, "_release", None)
-    if rel is not None:
-        stepped_outside, rel.stepped_outside = rel.stepped_outside, False
-        if closure is not None and stepped_outside:
-            rel.released.clear()  # (the caller was told: the next step starts afresh)
-            raise RuntimeError(f"{type(opt).__name__}: {ACCUMULATED_REFUSED}")
-    if closure is None:
-        return None
-    with torch.enable_grad():
-        if rel is None:
-            return closure()
-        rel.closures += 1
-        try:
-            return closure()
-        finally:
-            rel.closures -= 1
-
 
 def check(opt, gradient_release, release_bucket_mb, params=None) -> int | None:
     """The bucket size in bytes (None: the default), after refusing what release cannot do exactly. ``params``: the

@@ -135,14 +135,14 @@ class DDPTie:
         future.wait()
         rel, params = self.rel, []
         for p, grad in zip(bucket.parameters(), bucket.gradients()):
-            if release.OWNERS.get(id(p)) is rel:  # (an optimizer made anew over these params steps them)
+            if release.owns(rel, p):  # (an optimizer made anew over these params steps them)
                 if p.grad is None or p.grad.data_ptr() != grad.data_ptr():
                     p.grad = grad  # the reduced grad (its own local one is dropped here)
                 params.append(p)
         if params:
+            rel.released.update(map(id, params))  # (a second grad for them before the step is refused)
             self.stepped += opt._release_step(params)
             rel.flushes += 1
-            rel.stepped_outside |= not rel.closures
             self.buckets_stepped += 1
 
     def _end_of_backward(self) -> None:

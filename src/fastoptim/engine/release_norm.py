@@ -61,7 +61,7 @@ class NormPass:
         self.measuring = 0
         self.queued_for = None
         self.kept: dict[int, Tensor] = {}  # id(param) -> its grad before this backward, while it accumulates
-        self.norms: dict[int, tuple] = {}  # id(param) -> (param, (key, norm) or None) of this window
+        self.norms: dict[int, tuple | None] = {}  # id(param) -> its (key, norm), None if empty, in this window
         self.factor: Tensor | None = None  # the measured window's clip factor, until ``step()`` ends it
 
     def hook(self, params) -> None:
@@ -101,7 +101,7 @@ class NormPass:
             torch.autograd.Variable._execution_engine.queue_callback(self._measured)
             self.queued_for = task
         grad = p.grad if p.grad.dtype == p.dtype else p.grad.to(p.dtype)  # (as ``opt.step()`` reads it)
-        self.norms[id(p)] = (p, clip.tensor_norm(grad))
+        self.norms[id(p)] = clip.tensor_norm(grad)
         kept = self.kept.pop(id(p), None)
         if kept is None:
             p.grad = None
@@ -121,13 +121,13 @@ class NormPass:
         keyed, first = [], None
         for group in opt.param_groups:
             for p in group["params"]:
-                found = norms.get(id(p))
-                if found is None and p.grad is None:
+                measured = id(p) in norms
+                if not measured and p.grad is None:
                     continue
                 if first is None:
                     first = p.device
-                grad = None if found is not None else p.grad if p.grad.dtype == p.dtype else p.grad.to(p.dtype)
-                entry = found[1] if found is not None else clip.tensor_norm(grad)
+                grad = None if measured else p.grad if p.grad.dtype == p.dtype else p.grad.to(p.dtype)
+                entry = norms[id(p)] if measured else clip.tensor_norm(grad)
                 if entry is not None:
                     keyed.append(entry)
         total = clip.total_norm(keyed, first)

@@ -3,8 +3,8 @@
 Lightning runs the backward of each batch inside ``optimizer.step(closure)``, so release works there unchanged,
 except when it accumulates: with ``accumulate_grad_batches=N``, the first N-1 micro-batches of a window run their
 closure (training_step, zero_grad, backward) without ``optimizer.step``, and nothing global says so (where
-accelerate's ``sync_gradients`` does). A released optimizer would step on each of them; it refuses the window's
-step instead (``engine.release.call_closure``), once the first micro-batch has moved the params. This callback
+accelerate's ``sync_gradients`` does). A released optimizer would step on each of them; it refuses the second
+backward of the window instead (``engine.release.RELEASED_TWICE``), once the first has moved the params. This callback
 tells it, so that the run equals the run without release, bit for bit::
 
     import fastoptim.integrations.lightning
