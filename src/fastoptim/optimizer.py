@@ -13,7 +13,6 @@ group's params, grads and states live in one buffer per (device, dtype) (``engin
 from __future__ import annotations
 
 import copy
-from contextlib import nullcontext
 from typing import Any, Callable, Iterable
 
 import torch
@@ -21,9 +20,10 @@ from torch import Tensor
 
 from . import bulk, clip, storage
 from .eager import eager
-from .engine import amp, dispatch, plan, release, release_ddp
+from .engine import amp, dispatch, plan, release
 from .engine.flat import FlatBucket
 from .loading import check_loaded
+from .releasing import GradientRelease
 from .paths import sharded
 from .rules import Rule
 from .storage.state import is_dtensor
@@ -35,7 +35,7 @@ STEP_NOT_TRACEABLE = ("fastoptim's step and zero_grad run eagerly under torch.co
 STORAGE_SETTINGS = ("state_bits", "min_quant_size", "rounding")  # group keys that say how state is kept
 
 
-class FastOptimizer(torch.optim.Optimizer):
+class FastOptimizer(GradientRelease, torch.optim.Optimizer):
     rule: Rule
 
     def __init__(self, params: Iterable, impl: str = "auto", flat: bool = False,
@@ -74,21 +74,6 @@ class FastOptimizer(torch.optim.Optimizer):
             release.check(self, True, release_bucket_mb, params)  # (what needs the params: FSDP2 and clipping)
             self._release = release.Release(self, bucket_bytes)
             self._release.hook(params)
-
-    @property
-    def gradient_release(self) -> bool:
-        """Whether the step runs inside backward (``engine.release``)."""
-        return self._release is not None
-
-    def accumulating(self):
-        """``with opt.accumulating(): loss.backward()``: with ``gradient_release`` this backward steps nothing (its
-        grads add up; the next backward steps on the sum). Without it, a no-op."""
-        return self._release.accumulating() if self._release is not None else nullcontext()
-
-    def release_with(self, ddp_model) -> None:
-        """``opt.release_with(DistributedDataParallel(model))``: with ``gradient_release``, each DDP bucket steps
-        inside backward once its all-reduce is done, on the reduced grads (``engine.release_ddp``)."""
-        release_ddp.tie(self, self._release, ddp_model)
 
     # --- state: torch's mapping, counting its changes so the step plan never outlives it ---------------
 
@@ -250,20 +235,9 @@ class FastOptimizer(torch.optim.Optimizer):
             self._release.new_window()
         return loss
 
-    def measure_grad_norm(self):
-        """``with opt.measure_grad_norm(): loss.backward(retain_graph=True)``, then ``loss.backward()``: the norm that
-        ``gradient_release`` clips by with ``max_grad_norm``, measured exactly (``engine.release_norm``)."""
-        if self._release is None or self.max_grad_norm is None:
-            raise RuntimeError(f"{type(self).__name__}.measure_grad_norm() measures the norm that gradient_release=True "
-                               f"clips by; this optimizer has gradient_release={self._release is not None}, "
-                               f"max_grad_norm={self.max_grad_norm}: clip in opt.step()")
-        self._release.new_window()  # (hooks for params unfrozen since; the window's norms start anew)
-        return self._release.measuring().measure()
-
     @torch.no_grad()
     def _release_step(self, params: list[Tensor]) -> list[Tensor]:
-        """A released bucket's step (``engine.release``): ``params`` step as ``step()`` steps them, each group's
-        in the order the group lists them. Returns the params stepped (those some group still holds)."""
+        """A released bucket's step (``engine.release``), as ``step()`` steps ``params``; returns those stepped."""
         self._resolve_skips()
         factor = None if self.max_grad_norm is None else self._release.measuring().take_factor()  # (or refused)
         chosen = self._release.by_group(self.param_groups, params)

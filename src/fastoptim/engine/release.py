@@ -26,7 +26,6 @@ reload, a trainer's setup run twice) takes over, and one not yet collected never
 
 from __future__ import annotations
 
-import sys
 import weakref
 
 import torch
@@ -36,23 +35,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 from ..storage.state import is_dtensor
 from . import release_ddp
 from .release_norm import NormPass, counting
+from .release_state import OWNERS, accelerate_accumulates, accelerate_scales, owns
 
-# id(param) -> a weak reference to the Release that steps it (the newest to hook it); a param's entry goes with the
-# param. (A plain dict: the hook reads it for every param in every backward, and a weak-keyed lookup costs several
-# times more; the value is weak so that no optimizer's leftovers are kept alive through it.)
-OWNERS: dict[int, "weakref.ref[Release]"] = {}
-
-
-def owns(rel: "Release", p: Tensor) -> bool:
-    """Whether ``rel`` releases ``p``: it hooked it last, or the one that did is gone (it then takes ``p`` back)."""
-    ref = OWNERS.get(id(p))
-    owner = None if ref is None else ref()
-    if owner is rel:
-        return True
-    if owner is not None and owner._opt() is not None:
-        return False  # a newer optimizer releases it
-    OWNERS[id(p)] = rel.ref
-    return True
 MAX_BUCKET_BYTES = 32 << 20   # the default bucket: 1/32 of the params' bytes, at most this
 MIN_BUCKET_BYTES = 1 << 20    # ... and at least this: a bucket's step costs about half a millisecond of Python on the
                               # CPU, which a smaller model's few saved bytes do not pay for
@@ -66,15 +50,6 @@ def default_bucket_bytes(params: list[Tensor]) -> int:
     return int(min(MAX_BUCKET_BYTES, max(MIN_BUCKET_BYTES, total // BUCKETS_PER_MODEL)))
 
 
-def accelerate_accumulates() -> bool:
-    """Whether accelerate (HF Trainer drives it) says this backward accumulates: its ``GradientState`` (one state
-    shared by all its instances) has ``sync_gradients`` False between the optimizer steps of an accumulation
-    window. False where accelerate is not in use."""
-    state = sys.modules.get("accelerate.state")
-    shared = getattr(getattr(state, "GradientState", None), "_shared_state", None)
-    return bool(shared) and shared.get("sync_gradients", True) is False
-
-
 def _holds(groups: list[dict], place: tuple[int, int], p: Tensor) -> bool:
     index, position = place
     return index < len(groups) and position < len(groups[index]["params"]) and groups[index]["params"][position] is p
@@ -82,14 +57,6 @@ def _holds(groups: list[dict], place: tuple[int, int], p: Tensor) -> bool:
 
 def _first(item: tuple) -> int:
     return item[0]
-
-
-def accelerate_scales() -> bool:
-    """Whether accelerate runs fp16 mixed precision (with a GradScaler, which release refuses): its
-    ``AcceleratorState`` (shared by all its instances) says so before any backward."""
-    state = sys.modules.get("accelerate.state")
-    shared = getattr(getattr(state, "AcceleratorState", None), "_shared_state", None)
-    return bool(shared) and shared.get("_mixed_precision") == "fp16"
 
 
 class Release:

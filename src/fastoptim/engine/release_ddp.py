@@ -37,7 +37,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.utils.weak import WeakIdKeyDictionary
 
-from . import release  # (which imports this module: only its names at call time are used here)
+from .release_state import accelerate_accumulates, owns
 
 REFUSED_UNTIED = ("gradient_release=True under torch.distributed (world size {world}): a param's release hook sees "
                   "its LOCAL grad, before DDP's all-reduce, so its bucket would step on it. Tie the optimizer to "
@@ -120,7 +120,7 @@ class DDPTie:
                 grad.div_(world) if was_view else grad.mul_(1.0 / world)
         future = dist.all_reduce(buffer, group=group, async_op=True).get_future().then(_first_value)
         opt = self.rel._opt()
-        if opt is None or self.rel.paused or release.accelerate_accumulates():
+        if opt is None or self.rel.paused or accelerate_accumulates():
             return future  # accumulating: reduced, not stepped
         task = torch._C._current_graph_task_id()
         if self.queued_for != task:  # a new backward
@@ -135,7 +135,7 @@ class DDPTie:
         future.wait()
         rel, params = self.rel, []
         for p, grad in zip(bucket.parameters(), bucket.gradients()):
-            if release.owns(rel, p):  # (an optimizer made anew over these params steps them)
+            if owns(rel, p):  # (an optimizer made anew over these params steps them)
                 if p.grad is None or p.grad.data_ptr() != grad.data_ptr():
                     p.grad = grad  # the reduced grad (its own local one is dropped here)
                 params.append(p)
