@@ -38,8 +38,8 @@ from .release_norm import NormPass, counting
 from .release_state import OWNERS, accelerate_accumulates, accelerate_scales, owns
 
 MAX_BUCKET_BYTES = 32 << 20   # the default bucket: 1/32 of the params' bytes, at most this
-MIN_BUCKET_BYTES = 1 << 20    # ... and at least this: a bucket's step costs about half a millisecond of Python on the
-                              # CPU, which a smaller model's few saved bytes do not pay for
+MIN_BUCKET_BYTES = 1 << 20    # ... and at least this: each bucket's step has a fixed Python cost (measured in
+                              # docs/performance.md) that a smaller model's few saved bytes do not pay for
 BUCKETS_PER_MODEL = 32
 
 
