@@ -46,6 +46,7 @@ class TrainConfig:
     warmup: int = 100                  # warmup steps
     max_grad_norm: float | None = 1.0  # global-norm clipping inside the step; None: off
     gradient_release: bool = False     # the step inside backward, bucket by bucket (clipping: one more backward)
+    release_bucket_mb: float | None = None  # a released bucket's grads in MiB; None: 1/32 of them, 1 to 32 MiB
     batch_size: int = 16               # sequences per micro-batch
     grad_accum_steps: int = 1          # micro-batches per optimizer step
     steps: int = 2000                  # optimizer steps
@@ -150,6 +151,8 @@ def check_config(cfg: TrainConfig) -> None:
         if why:
             raise ValueError("--gradient-release steps inside backward and frees each grad at once; it cannot run "
                              "with " + "; ".join(why))
+    if cfg.release_bucket_mb is not None and not (cfg.gradient_release and cfg.release_bucket_mb > 0):
+        raise ValueError(f"--release-bucket-mb {cfg.release_bucket_mb} needs --gradient-release and a size > 0")
     if cfg.fsdp and cfg.flat:
         raise ValueError("--flat keeps plain tensors in one buffer; FSDP2 shards them: use one or the other")
     if cfg.stop_after < 0:
@@ -253,7 +256,8 @@ def _train(cfg: TrainConfig, rank: int, world: int) -> dict:
         fully_shard(model)
     opt = factory.create(model, cfg.optimizer, lr=cfg.lr, weight_decay=cfg.weight_decay, impl=cfg.impl,
                          flat=cfg.flat, max_grad_norm=cfg.max_grad_norm, state_bits=state_bits(cfg),
-                         rounding=cfg.rounding, gradient_release=cfg.gradient_release)
+                         rounding=cfg.rounding, gradient_release=cfg.gradient_release,
+                         release_bucket_mb=cfg.release_bucket_mb)
     scheduler = schedules.Scheduler(opt, lr_schedule(cfg))
     scaler = torch.amp.GradScaler(device.type, enabled=cfg.dtype == "fp16")
     train_model = model
