@@ -206,8 +206,8 @@ def main() -> None:
             saved = off["rss"] - on["rss"]
             overhead = statistics.median(a["tokens_per_s"] / b["tokens_per_s"] - 1 for a, b in pairs)
             same = all(a["loss"] == b["loss"] for a, b in pairs)
-            print(f"| {config} | {off['params'] / 1e6:.1f}M | {bits}-bit | {off['rss']:.0f} | {on['rss']:.0f} | "
-                  f"{saved:.0f} | {grad_mib:.0f} | {saved / grad_mib:.0%} | {statistics.median(a['tokens_per_s'] for a, _ in pairs):.0f} | "
+            print(f"| {config} | {off['params'] / 1e6:.1f}M | {bits}-bit | {off['rss']:.1f} | {on['rss']:.1f} | "
+                  f"{saved:.1f} | {grad_mib:.1f} | {saved / grad_mib:.0%} | {statistics.median(a['tokens_per_s'] for a, _ in pairs):.0f} | "
                   f"{statistics.median(b['tokens_per_s'] for _, b in pairs):.0f} | {overhead:+.1%} | {same} |", flush=True)
 
 

@@ -20,7 +20,7 @@ from torch import Tensor
 
 from . import bulk, clip, storage
 from .eager import eager
-from .engine import amp, dispatch, plan, release
+from .engine import amp, dispatch, plan, release, release_state
 from .engine.flat import FlatBucket
 from .loading import check_loaded
 from .releasing import GradientRelease
@@ -74,6 +74,8 @@ class FastOptimizer(GradientRelease, torch.optim.Optimizer):
             release.check(self, True, release_bucket_mb, params)  # (what needs the params: FSDP2 and clipping)
             self._release = release.Release(self, bucket_bytes)
             self._release.hook(params)
+        else:  # (params an older optimizer releases are this one's to step now)
+            self._claim = release_state.Claim(self, [p for group in self.param_groups for p in group["params"]])
 
     # --- state: torch's mapping, counting its changes so the step plan never outlives it ---------------
 
@@ -167,6 +169,8 @@ class FastOptimizer(GradientRelease, torch.optim.Optimizer):
                 self._init_state(p, group)
         if self.__dict__.get("_release") is not None:
             self._release.hook(group["params"])
+        elif "_claim" in self.__dict__:
+            self._claim.claim(group["params"])
 
     def _init_state(self, p: Tensor, group: dict) -> dict:
         state = self._state[p]
@@ -206,6 +210,13 @@ class FastOptimizer(GradientRelease, torch.optim.Optimizer):
             else None
         if why:
             raise ValueError(f"{type(self).__name__} with state_bits={bits}: {why}")
+
+    def _check_groups(self) -> None:
+        """Every group's hyper-parameters and storage settings, as a step checks them (release checks them all as
+        a backward starts, before its first bucket steps)."""
+        for group in self.param_groups:
+            self.rule.validate(group)
+            self._check_storage(group)
 
     def _state_format(self, p: Tensor, name: str, group: dict) -> storage.Format:
         """How a state of ``p`` is kept: the group's ``state_bits`` (the optimizer's by default)."""
@@ -378,13 +389,21 @@ class FastOptimizer(GradientRelease, torch.optim.Optimizer):
     @eager(reason=STEP_NOT_TRACEABLE)  # (as torch.optim's own zero_grad is)
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As torch.optim's. In flat mode ``set_to_none=False`` zeroes each bucket's grad buffer with one memset."""
-        if self.__dict__.get("_release") is not None:
-            self._release.new_window()
+        rel, freed = self.__dict__.get("_release"), release_state.FREED
+        if rel is not None:
+            rel.zeroing(type(self).__name__)
+        if freed:  # (grads released by this optimizer or an older one over its params)
+            ids = {id(p) for group in self.param_groups for p in group["params"]} & freed
+            if ids and not set_to_none:
+                raise RuntimeError(f"{type(self).__name__}.{release.KEPT_ZEROS.format(n=len(ids))}")
+            freed.difference_update(ids)
         if not self.flat:
-            return super().zero_grad(set_to_none)
+            super().zero_grad(set_to_none)
         for buckets in self._flat_buckets:
             for bucket in buckets:
                 bucket.zero_grads(set_to_none)
+        if rel is not None:
+            rel.zeroed()
 
     def _param_index(self, param: Tensor) -> int:
         index = 0

@@ -33,5 +33,5 @@ class GradientRelease:
             raise RuntimeError(f"{type(self).__name__}.measure_grad_norm() measures the norm that gradient_release=True "
                                f"clips by; this optimizer has gradient_release={self._release is not None}, "
                                f"max_grad_norm={self.max_grad_norm}: clip in opt.step()")
-        self._release.new_window()  # (hooks for params unfrozen since; the window's norms start anew)
+        self._release.rehook()  # (hooks for params unfrozen since; the window's norms start anew)
         return self._release.measuring().measure()

@@ -99,6 +99,7 @@ class UserProgram(RuleBasedStateMachine):
         self.scalers = None
         self.added = 0
         self.stepped_in_backward = False  # since the last step() or zero_grad(): another backward would be refused
+        self.freed = False  # (release) grads freed after their step since the last zero_grad(): set_to_none=False refused
         self.defer_check = False
         self._as_stored()  # (Adagrad makes its state at once)
 
@@ -247,7 +248,16 @@ class UserProgram(RuleBasedStateMachine):
 
     @rule(set_to_none=st.booleans())
     def zero_grad(self, set_to_none):
+        refused = ("no opt.step" if self.stepped_in_backward  # (torch.optim would step nothing on those grads)
+                   else "set_to_none=False" if self.freed and not set_to_none else None)  # (torch's grads: zeros)
+        if refused:
+            grads = [a.grad for a in self.ours_p]
+            with pytest.raises(RuntimeError, match=refused):
+                self.ours.zero_grad(set_to_none=set_to_none)
+            assert all(a.grad is g for a, g in zip(self.ours_p, grads)), "a refused zero_grad changed grads"
+            return
         self.stepped_in_backward = False
+        self.freed = False
         self.ours.zero_grad(set_to_none=set_to_none)
         self.ref.zero_grad(set_to_none=set_to_none)
         for a, b in zip(self.ours_p, self.ref_p):
@@ -299,6 +309,7 @@ class UserProgram(RuleBasedStateMachine):
         if any(reached):
             assert self.ours._release.flushes > flushes, "no bucket stepped inside backward"
             self.stepped_in_backward = True
+            self.freed = True
         for old, then in self.retired:
             assert old._release.flushes == then, "an optimizer a reload replaced stepped its params"
 

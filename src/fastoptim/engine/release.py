@@ -35,7 +35,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from ..storage.state import is_dtensor
 from . import release_ddp
 from .release_norm import NormPass, counting
-from .release_state import OWNERS, accelerate_accumulates, accelerate_scales, owns
+from .release_state import FREED, OWNERS, accelerate_accumulates, accelerate_scales, forget, owns
 
 MAX_BUCKET_BYTES = 32 << 20   # the default bucket: 1/32 of the params' bytes, at most this
 MIN_BUCKET_BYTES = 1 << 20    # ... and at least this: each bucket's step has a fixed Python cost (measured in
@@ -68,7 +68,8 @@ class Release:
         self.hooked: set[int] = set()  # id(param) of the params hooked (an entry goes with its param)
         self.bucket_bytes = bucket_bytes
         self.handles = WeakIdKeyDictionary()  # param -> its hook's handle
-        self.released: set[int] = set()  # params stepped in backward since the last step() or zero_grad()
+        self.released: set[int] = set()  # params given to a bucket since the last step() (a second grad is refused)
+        self.stepped: set[int] = set()  # params stepped in backward, their grads freed, since the last step()
         self.ready: list[Tensor] = []
         self.ready_bytes = 0
         self.queued_for = None  # the backward (autograd graph task) whose end steps what is left
@@ -96,7 +97,7 @@ class Release:
             if p.requires_grad and p not in self.handles:  # (a frozen param is hooked once it requires grad)
                 self.handles[p] = p.register_post_accumulate_grad_hook(self._ready)
                 if id(p) not in OWNERS:
-                    weakref.finalize(p, OWNERS.pop, id(p), None)  # (runs as p goes, before its id can be reused)
+                    weakref.finalize(p, forget, id(p))  # (runs as p goes, before its id can be reused)
                 weakref.finalize(p, self.hooked.discard, id(p))
                 self.hooked.add(id(p))
                 OWNERS[id(p)] = self.ref
@@ -106,14 +107,31 @@ class Release:
             self.bucket_bytes = default_bucket_bytes(self._params())
 
     def new_window(self) -> None:
-        """``step()`` or ``zero_grad()``: params that started to require grad (unfrozen) get their hooks, and the
-        params may step in backward again."""
+        """``step()``: the params may step in backward again."""
+        self.stepped.clear()
         self.released.clear()
+        self.rehook()
+
+    def rehook(self) -> None:
+        """``step()``, ``zero_grad()`` or a new measuring backward: params that started to require grad (unfrozen)
+        get their hooks, and a measured norm has served its window."""
         params, hooked = self._params(), self.hooked
         if any(p.requires_grad and id(p) not in hooked for p in params):
             self.hook(params)
         if self.norm is not None:
             self.norm.end_window()
+
+    def zeroing(self, name: str) -> None:
+        """Before ``zero_grad()`` changes anything: refused after a backward that stepped params with no step()
+        since, as torch.optim steps nothing on grads that zero_grad() discards."""
+        if self.stepped:
+            raise RuntimeError(f"{name}.zero_grad() after a backward that stepped {len(self.stepped)} params inside "
+                               f"it (gradient_release=True), with no opt.step() since: {STEPPED_UNASKED}")
+
+    def zeroed(self) -> None:
+        """After ``zero_grad()``: a new window."""
+        self.released.clear()  # (given to a bucket whose step was refused: their grads were just zeroed)
+        self.rehook()
 
     def _params(self) -> list[Tensor]:
         opt = self._opt()
@@ -180,6 +198,7 @@ class Release:
             if accelerate_scales():  # refused before anything steps (plain GradScaler: at its step, after)
                 raise RuntimeError(f"{type(opt).__name__}: accelerate's fp16 mixed precision: "
                                    + GRADSCALER_WHY.format(moved="Nothing has stepped. "))
+            opt._check_groups()  # what a step refuses, refused before this backward's first bucket steps
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
             self.queued_for = task
             self.ready, self.ready_bytes = [], 0  # (left by a backward that raised: their grads stay for step())
@@ -189,6 +208,10 @@ class Release:
             raise NotImplementedError(f"{type(opt).__name__}: {release_ddp.refused(self.world, self.ddp is not None)}")
         if id(p) in self.released:
             raise RuntimeError(f"{type(opt).__name__}: {RELEASED_TWICE}")
+        if p.grad.is_sparse:  # (known only as it comes: buckets before it in this backward have stepped)
+            raise RuntimeError(f"{type(opt).__name__} does not support sparse gradients (param "
+                               f"{opt._param_index(p)}, shape {tuple(p.shape)}); with gradient_release=True "
+                               f"{len(self.stepped)} params stepped in this backward before it")
         self.released.add(id(p))
         self.ready.append(p)
         self.ready_bytes += p.grad.numel() * p.grad.element_size()
@@ -206,8 +229,15 @@ class Release:
         params, self.ready, self.ready_bytes = self.ready, [], 0
         stepped = opt._release_step(params)  # (a step that raises leaves the grads for ``opt.step()``)
         self.flushes += 1
-        for p in stepped:  # (a param no group holds any more kept its grad, as torch.optim's step keeps it)
+        self.freeing(stepped)
+
+    def freeing(self, stepped: list[Tensor]) -> None:
+        """The grads of params stepped in backward are freed (a param no group holds any more kept its grad, as
+        torch.optim's step keeps it)."""
+        for p in stepped:
             p.grad = None
+        self.stepped.update(map(id, stepped))
+        FREED.update(map(id, stepped))
 
 
 RELEASED_TWICE = ("gradient_release=True: a param got a second grad to step on since the last opt.step() or "
@@ -216,7 +246,16 @@ RELEASED_TWICE = ("gradient_release=True: a param got a second grad to step on s
                   "torch.optim steps once on their sum. It stepped on the first; this one is refused. Backpropagate "
                   "the earlier ones under `with opt.accumulating():` (Lightning's accumulate_grad_batches: "
                   "callbacks=[fastoptim.integrations.lightning.GradientRelease()]), call opt.step() after each "
-                  "backward, or use torch.utils.checkpoint with use_reentrant=False")
+                  "backward, or use torch.utils.checkpoint with use_reentrant=False. (Or this optimizer is kept alive beside a newer "
+                  "torch.optim optimizer over the same params: delete it)")
+STEPPED_UNASKED = ("torch.optim would step nothing on that backward's grads and zero_grad() would discard them, but "
+                   "release has stepped on them. A backward that is not meant to step this optimizer (a GAN's "
+                   "generator backward through the discriminator, a backward for analysis) goes under `with "
+                   "opt.accumulating():` (its grads stay for zero_grad() to discard), or with the params' "
+                   "requires_grad off. The grads are left as they are")
+KEPT_ZEROS = ("zero_grad(set_to_none=False) after gradient_release=True freed the grads of {n} params once they "
+              "stepped: torch.optim would keep them, zeroed, and step a param that the next backward does not reach "
+              "on its zero grad. Use zero_grad() (set_to_none=True), or gradient_release=False. Nothing was zeroed")
 GRADSCALER_WHY = ("torch.amp.GradScaler cannot drive an optimizer with gradient_release=True: its buckets step inside "
                   "backward, before GradScaler has unscaled the grads or checked all of them for inf/NaN, and a step "
                   "it would skip cannot be taken back without keeping every grad. {moved}Use bf16 autocast (no "

@@ -158,8 +158,7 @@ class DDPTie:
             for bucket, future in pending:
                 self._step(opt, bucket, future)
         stepped, self.stepped = self.stepped, []
-        for p in stepped:
-            p.grad = None
+        self.rel.freeing(stepped)
 
 
 def _first_value(future) -> Tensor:

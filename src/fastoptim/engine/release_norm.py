@@ -78,9 +78,16 @@ class NormPass:
         """``step()`` or ``zero_grad()``: the measured norm served its window."""
         self.factor = None
         self.norms = {}
+        self.kept.clear()
 
-    def measure(self):
-        return counting(self, "measuring")
+    @contextmanager
+    def measure(self) -> Iterator[None]:
+        try:
+            with counting(self, "measuring"):
+                yield
+        finally:  # (a measuring backward that raised never reached ``_measured``: its copies must not outlive it)
+            if not self.measuring:
+                self.kept.clear()
 
     def _incoming(self, ref, grad: Tensor) -> None:
         """Before accumulation (this hook runs first of the param's grad hooks): a grad already there is kept."""

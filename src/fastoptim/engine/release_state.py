@@ -8,10 +8,34 @@ import weakref
 
 from torch import Tensor
 
-# id(param) -> a weak reference to the Release that steps it (the newest to hook it); a param's entry goes with the
-# param. (A plain dict: the hook reads it for every param in every backward, and a weak-keyed lookup costs several
+# id(param) -> a weak reference to the Release that steps it (the newest to hook it), or to the ``Claim`` of a newer
+# optimizer without release; a param's entry goes with the param. (A plain dict: the hook reads it for every param in every backward, and a weak-keyed lookup costs several
 # times more; the value is weak so that no optimizer's leftovers are kept alive through it.)
 OWNERS: dict[int, "weakref.ref[Release]"] = {}
+# id(param) of the params (all in OWNERS) whose grad a release freed after its step, since a fastoptim zero_grad():
+# torch.optim would still hold that grad, and zero_grad(set_to_none=False) would zero it, not leave it None
+FREED: set[int] = set()
+
+
+def forget(pid: int) -> None:
+    """A released param is gone (its id may be reused): its entries go."""
+    OWNERS.pop(pid, None)
+    FREED.discard(pid)
+
+
+class Claim:
+    """An optimizer without release over params that a release hooked: the newest optimizer over a param steps it,
+    so the release before it leaves the param alone until this optimizer is gone."""
+
+    def __init__(self, opt, params) -> None:
+        self._opt = weakref.ref(opt)
+        self.ref = weakref.ref(self)
+        self.claim(params)
+
+    def claim(self, params) -> None:
+        for p in params:
+            if id(p) in OWNERS:
+                OWNERS[id(p)] = self.ref
 
 
 def owns(rel: "Release", p: Tensor) -> bool:
