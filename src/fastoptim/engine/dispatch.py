@@ -235,7 +235,7 @@ def _inf_found(ctx: StepContext) -> bool:
 def _run(path: Path, part: Bucket, ctx: StepContext) -> list[int] | None:
     if ctx.grad_mul is not None and not path.takes_grad_mul_of(ctx):
         part = Bucket(part.params, scaled_grads(part.grads, ctx.grad_mul), part.states, part.cache, part.sharded,
-                      part.pools)
+                      part.pools, part.transient)
         ctx = ctx.but(grad_mul=None)
     if path.records:
         took(path.name)
