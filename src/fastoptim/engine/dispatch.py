@@ -15,10 +15,13 @@ The routes (``ROUTING`` on; ``own_paths`` turns it off, to compare the levels th
   * loop: the loop path, always (the reference the others are tested against);
   * foreach: on the CPU the fused level's route (``ROUTE_FOREACH_ON_CPU``: never slower there, and the foreach
     path's pure expressions take twice the passes over memory of torch's in-place foreach kernels);
-  * compiled: buckets of small tensors (mean under ``COMPILED_MIN_MEAN_NUMEL``) take the fused level's route;
+  * compiled: tensors of at least ``COMPILED_MIN_NUMEL`` elements compiled, the smaller ones the fused level's route;
   * fused and auto: Triton on CUDA and under ``TRITON_INTERPRET=1`` (what it leaves: foreach); on another GPU,
     foreach; on the CPU torch's fused kernel where the rule names one (strided tensors: foreach), else the rule
-    compiled where tensors are large enough (a rule that fails to compile: foreach, with a warning), else foreach.
+    compiled for tensors of at least ``COMPILED_MIN_NUMEL`` elements (a rule that fails to compile: foreach, with a
+    warning), and foreach for the smaller ones.
+Sizes route each tensor by its own size, never by the bucket's mix: a param's path, and so its bits, must not depend
+on which params share its bucket (gradient release steps subsets of the step's buckets, to the same bits).
 State kept at 16/8/4 bits first meets the path that loads and stores it in its own kernel (``stored_path``: the
 fused level's, and the foreach and compiled levels' on the CPU, where they take the fused level's route); what it
 leaves runs staged (``paths.staged``) through the plain route. Per-tensor stages run as ``paths.stages``.
@@ -38,7 +41,7 @@ from torch import Tensor
 from .. import bulk, storage
 from ..paths.base import (PATHS, Bucket, Path, StepContext, caller_stacklevel, record_paths, scaled_grads,  # noqa: F401
                           subset, took, triton_available, uses_triton)
-from ..paths.compiled import COMPILED, COMPILED_OR_NEXT, MIN_MEAN_NUMEL as COMPILED_MIN_MEAN_NUMEL, mean_numel
+from ..paths.compiled import COMPILED, COMPILED_LARGE, COMPILED_OR_NEXT, MIN_NUMEL as COMPILED_MIN_NUMEL, large_tensors
 from ..paths.cpu_kernel import CPU_KERNEL
 from ..paths.foreach import FOREACH
 from ..paths.loop import LOOP
@@ -154,20 +157,31 @@ def plain_route(impl: str, bucket: Bucket, rule) -> tuple[Path, ...]:
         say_routed("foreach", "fused", "on the CPU it is never slower, and the foreach level's pure expressions "
                    "take twice the passes over memory of torch's in-place foreach kernels")
     elif impl == "compiled":
-        mean = mean_numel(bucket)
-        if not (ROUTING and mean < COMPILED_MIN_MEAN_NUMEL):
+        if not ROUTING:
             return (COMPILED,)
-        say_routed("compiled", "fused", f"for buckets of small tensors ({len(bucket.params)} tensors of "
-                   f"{mean:.0f} elements on average, under {COMPILED_MIN_MEAN_NUMEL}) one compiled call per "
-                   "tensor would cost more than the step; flat=True compiles one call over the whole buffer")
+        n, large = len(bucket.params), len(large_tensors(bucket))
+        if large == n:
+            return (COMPILED_LARGE,)
+        say_routed("compiled", "fused", f"for tensors under {COMPILED_MIN_NUMEL} elements ({n - large} of {n} in a "
+                   "bucket here) one compiled call per tensor would cost more than its step; flat=True compiles one "
+                   "call over the whole buffer")
+        # the large ones compiled, the small ones (what COMPILED_LARGE leaves) on the fused route for small tensors
+        return ((COMPILED_LARGE,) if large else ()) + _fused_route(bucket, rule, compile_large=False)
+    return _fused_route(bucket, rule, compile_large=True)
+
+
+def _fused_route(bucket: Bucket, rule, compile_large: bool) -> tuple[Path, ...]:
+    """The fused level's chain; ``compile_large``: the CPU compiles the rule for large tensors where torch has no
+    fused kernel for it (False: the compiled level took those already)."""
+    device = bucket.device
     if uses_triton(device):  # CUDA, or CPU tensors under TRITON_INTERPRET=1: what Triton leaves runs foreach
         return (TRITON, FOREACH)
     if device.type != "cpu":  # a GPU without Triton installed: the foreach path is exact there
         return (FOREACH,)
     if TorchFused.declared(rule, bucket.params[0].dtype):
         return (TORCH_FUSED, FOREACH)
-    if mean_numel(bucket) >= COMPILED_MIN_MEAN_NUMEL and rule.update not in _not_compilable:
-        return (COMPILED_OR_NEXT, FOREACH)
+    if compile_large and rule.update not in _not_compilable and large_tensors(bucket):
+        return (COMPILED_OR_NEXT, FOREACH)  # (it takes the large tensors; foreach the rest, if any)
     return (FOREACH,)
 
 
@@ -235,7 +249,7 @@ def _inf_found(ctx: StepContext) -> bool:
 def _run(path: Path, part: Bucket, ctx: StepContext) -> list[int] | None:
     if ctx.grad_mul is not None and not path.takes_grad_mul_of(ctx):
         part = Bucket(part.params, scaled_grads(part.grads, ctx.grad_mul), part.states, part.cache, part.sharded,
-                      part.pools)
+                      part.pools, part.transient)
         ctx = ctx.but(grad_mul=None)
     if path.records:
         took(path.name)

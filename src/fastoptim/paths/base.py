@@ -35,6 +35,9 @@ class Bucket:
     # flat mode's buffers that many of the states are views of (``storage.pooled``): a kernel's table watches each
     # such storage once (they move whole), every other state tensor on its own
     pools: tuple = ()
+    # its params or states are new tensors each step (the staged path's temporaries), in the same layouts: a part
+    # keeps its cache across steps (``subset``), but not its lists of params and states
+    transient: bool = False
 
     @property
     def device(self) -> torch.device:
@@ -49,10 +52,12 @@ class GradViews(list):
 def subset(bucket: Bucket, indices: list[int], cache: dict | None = None) -> Bucket:
     """The params at ``indices`` of ``bucket``, with their grads and states; ``cache``: one that lives as long as
     ``bucket.cache`` and was made for these very indices (else the subset's cache starts empty). It keeps the
-    subset's params and states too: they are fixed while the bucket's cache lives (only grads are new each step)."""
-    if cache is None:
+    subset's params and states too: they are fixed while the bucket's cache lives (only grads are new each step),
+    unless the bucket is ``transient``."""
+    if cache is None or bucket.transient:
         return Bucket([bucket.params[i] for i in indices], [bucket.grads[i] for i in indices],
-                      [None if s is None else [s[i] for i in indices] for s in bucket.states], {}, pools=bucket.pools)
+                      [None if s is None else [s[i] for i in indices] for s in bucket.states],
+                      {} if cache is None else cache, pools=bucket.pools, transient=bucket.transient)
     members = cache.get("subset_members")
     if members is None:
         members = cache["subset_members"] = ([bucket.params[i] for i in indices],

@@ -22,13 +22,19 @@ from torch import Tensor
 from . import loop
 from .base import Bucket, Path, StepContext, compiled_scalars, scaled_grads
 
-# Buckets of tensors this small on average are not compiled (the dispatcher routes them): one compiled call per
-# tensor costs more than it saves, and every new shape class compiles anew. Flat buffers are one large tensor.
-MIN_MEAN_NUMEL = 1 << 14
+# Tensors smaller than this are not compiled where the dispatcher routes (they take the fused level's route): one
+# compiled call per tensor costs more than it saves. Decided per tensor, never by the bucket's mix, so a param's
+# path (and its bits) does not depend on which params share its bucket. Flat buffers are one large tensor.
+MIN_NUMEL = 1 << 14
 
 
-def mean_numel(bucket: Bucket) -> float:
-    return sum(p.numel() for p in bucket.params) / len(bucket.params)
+def large_tensors(bucket: Bucket) -> list[int]:
+    """The indices of the bucket's params of at least ``MIN_NUMEL`` elements, worked out once per bucket (a param's
+    shape is fixed while the bucket's cache lives: the step plan makes a new bucket when it changes)."""
+    large = bucket.cache.get("compiled_large")
+    if large is None:
+        large = bucket.cache["compiled_large"] = [i for i, p in enumerate(bucket.params) if p.numel() >= MIN_NUMEL]
+    return large
 
 
 def _in_place(update: Callable, flags: tuple) -> Callable:
@@ -76,12 +82,22 @@ def compiled_step(update: Callable, flags: tuple, dtype: torch.dtype) -> Callabl
 
 class Compiled(Path):
     """The rule compiled by Inductor, one in-place call per tensor (strided tensors eagerly, one at a time).
-    ``fallible``: where the fused level compiles on the CPU, a rule that fails to compile runs elsewhere."""
+    ``fallible``: where the fused level compiles on the CPU, a rule that fails to compile runs elsewhere.
+    ``large_only``: it takes the tensors of at least ``MIN_NUMEL`` elements (the routed levels' compiled path), and
+    leaves the others to the next path of the chain."""
     name = "compiled"
     takes_grad_mul = True
+    stable_split = True  # what it takes follows from the params' sizes: the part it leaves keeps its caches
 
-    def __init__(self, fallible: bool = False):
+    def __init__(self, fallible: bool = False, large_only: bool = False):
         self.fallible = fallible
+        self.large_only = large_only
+
+    def takes(self, bucket: Bucket, ctx: StepContext) -> list[int] | None:
+        if not self.large_only:
+            return None
+        large = large_tensors(bucket)
+        return None if len(large) == len(bucket.params) else large
 
     def run(self, part: Bucket, ctx: StepContext) -> None:
         grad_mul, scalars, flags = ctx.grad_mul, ctx.scalars, ctx.flags
@@ -111,5 +127,7 @@ class Compiled(Path):
                        [None if s is None else [s[i] for i in strided] for s in part.states], scalars, flags)
 
 
-COMPILED = Compiled()
-COMPILED_OR_NEXT = Compiled(fallible=True)  # the fused level's CPU path: a rule that will not compile runs foreach
+COMPILED = Compiled()  # the compiled level's own path (routing off): every tensor
+COMPILED_LARGE = Compiled(large_only=True)  # the routed compiled level: large tensors; the rest, the fused route
+# the fused level's CPU path for its large tensors: a rule that will not compile runs foreach
+COMPILED_OR_NEXT = Compiled(fallible=True, large_only=True)

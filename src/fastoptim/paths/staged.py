@@ -51,7 +51,7 @@ class Staged(Path):
                     staged.append((state, temp))
                     temps.append(temp)
             states.append(temps)
-        ctx.run_plain(Bucket(params, grads, states, part.cache.setdefault("staged", {}), part.sharded),
+        ctx.run_plain(Bucket(params, grads, states, part.cache.setdefault("staged", {}), part.sharded, transient=True),
                       ctx.but(found_inf=None))
         for state, temp in staged:
             storage.store(state, temp)

@@ -81,7 +81,8 @@ class Stages(Path):
         for index, stage in enumerate(rule.stages):
             if hasattr(stage, "update"):
                 lists = [tensors[name] for name in stage.tensors]
-                one = Bucket(params, tensors["grad"], lists, part.cache.setdefault(("stage", index), {}))
+                one = Bucket(params, tensors["grad"], lists, part.cache.setdefault(("stage", index), {}),
+                             transient=part.transient)
                 ctx.run_plain(one, ctx.but(rule=stage_rule(rule, index), grad_mul=None))
             elif part.sharded is not None:
                 sharded.per_tensor(impl, stage, tensors, scalars, flags, part.sharded,
