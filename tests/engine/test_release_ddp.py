@@ -71,3 +71,21 @@ def test_release_with_refuses_what_it_cannot_do(one_rank):
     opt.release_with(ddp)
     with pytest.raises(RuntimeError, match="already tied"):
         opt.release_with(ddp)
+
+
+def test_a_bad_group_is_refused_before_any_ddp_bucket_steps(one_rank):
+    # the last layer's DDP bucket is reduced and steps first: the first group's bad lr must be refused before it
+    net = _model()
+    opt = AdamW([{"params": net[0].parameters()}, {"params": [p for m in net[1:] for p in m.parameters()]}],
+                lr=1e-2, gradient_release=True)
+    ddp = DistributedDataParallel(net, bucket_cap_mb=0.002)
+    opt.release_with(ddp)
+    ddp(torch.randn(4, 16)).pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+    before, stepped = [p.detach().clone() for p in net.parameters()], opt._release.ddp.buckets_stepped
+    opt.param_groups[0]["lr"] = -1.0
+    with pytest.raises(ValueError, match="Invalid lr"):
+        ddp(torch.randn(4, 16)).pow(2).mean().backward()
+    assert opt._release.ddp.buckets_stepped == stepped
+    assert all(torch.equal(a, b) for a, b in zip(before, net.parameters()))

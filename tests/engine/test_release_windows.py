@@ -25,7 +25,7 @@ def test_zero_grad_keeping_zeros_is_refused_once_grads_were_freed():
     assert torch.equal(a.grad, torch.zeros(3)) and b.grad is None
     ((a * a).sum() + (b * b).sum()).backward()
     opt.step()
-    with pytest.raises(RuntimeError, match=r"set_to_none=False.*freed the grads of 2 params"):
+    with pytest.raises(RuntimeError, match=r"set_to_none=False.*freed the grads of 2 of these params"):
         opt.zero_grad(set_to_none=False)
     assert a.grad is None and b.grad is None
     # an optimizer made anew over the params (a reload) sees what the old one freed

@@ -182,8 +182,11 @@ class Release:
 
     def _ready(self, p: Tensor) -> None:
         if self.ddp is not None and self.ddp.reduces(p):
-            if id(p) in self.released and not self.paused:  # (as below: a second grad before the step)
-                raise RuntimeError(f"{type(self._opt()).__name__}: {RELEASED_TWICE}")
+            opt = self._opt()
+            if not self.paused and opt is not None:
+                if id(p) in self.released:  # (as below: a second grad before the step)
+                    raise RuntimeError(f"{type(opt).__name__}: {RELEASED_TWICE}")
+                self._starting(opt)  # (this hook runs before DDP's reducer sees the grad: nothing has stepped)
             self.ddp.saw(p)  # this grad is local: DDP's comm hook steps the param after its all-reduce
             return
         if not owns(self, p):
@@ -191,17 +194,7 @@ class Release:
         opt = self._opt()
         if opt is None or self.norm is not None and self.norm.accumulated(p) or self.paused or p.grad is None:
             return
-        task = torch._C._current_graph_task_id()
-        if self.queued_for != task:  # a new backward: its end steps what is left
-            self.world = release_ddp.world_size()
-            self.accumulates = accelerate_accumulates()  # (set before a backward, read once per backward)
-            if accelerate_scales():  # refused before anything steps (plain GradScaler: at its step, after)
-                raise RuntimeError(f"{type(opt).__name__}: accelerate's fp16 mixed precision: "
-                                   + GRADSCALER_WHY.format(moved="Nothing has stepped. "))
-            opt._check_groups()  # what a step refuses, refused before this backward's first bucket steps
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
-            self.queued_for = task
-            self.ready, self.ready_bytes = [], 0  # (left by a backward that raised: their grads stay for step())
+        self._starting(opt)
         if self.accumulates:
             return
         if self.world > 1 and not is_dtensor(p):  # a local grad (one tied to DDP returned above; FSDP2's are reduced)
@@ -217,6 +210,23 @@ class Release:
         self.ready_bytes += p.grad.numel() * p.grad.element_size()
         if self.ready_bytes >= self.bucket_bytes:
             self.flush(opt)
+
+    def _starting(self, opt) -> None:
+        """Once per stepping backward, at its first param: what the backward is, and what a step would refuse,
+        refused before its first bucket steps; its end steps what is left."""
+        task = torch._C._current_graph_task_id()
+        if self.queued_for == task:
+            return
+        self.world = release_ddp.world_size()
+        self.accumulates = accelerate_accumulates()  # (set before a backward, read once per backward)
+        if accelerate_scales():  # refused before anything steps (plain GradScaler: at its step, after)
+            raise RuntimeError(f"{type(opt).__name__}: accelerate's fp16 mixed precision: "
+                               + GRADSCALER_WHY.format(moved="Nothing has stepped. "))
+        if not self.accumulates:  # (an accumulating backward refuses nothing: the step will)
+            opt._check_groups()
+        torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+        self.queued_for = task
+        self.ready, self.ready_bytes = [], 0  # (left by a backward that raised: their grads stay for step())
 
     def _end_of_backward(self) -> None:
         self.queued_for = None
@@ -253,9 +263,11 @@ STEPPED_UNASKED = ("torch.optim would step nothing on that backward's grads and 
                    "generator backward through the discriminator, a backward for analysis) goes under `with "
                    "opt.accumulating():` (its grads stay for zero_grad() to discard), or with the params' "
                    "requires_grad off. The grads are left as they are")
-KEPT_ZEROS = ("zero_grad(set_to_none=False) after gradient_release=True freed the grads of {n} params once they "
-              "stepped: torch.optim would keep them, zeroed, and step a param that the next backward does not reach "
-              "on its zero grad. Use zero_grad() (set_to_none=True), or gradient_release=False. Nothing was zeroed")
+KEPT_ZEROS = ("zero_grad(set_to_none=False) after an optimizer with gradient_release=True freed the grads of {n} "
+              "of these params once they stepped, with no zero_grad() of fastoptim's since: torch.optim would keep "
+              "them, zeroed, and step a param that the next backward does not reach on its zero grad. Use "
+              "zero_grad() (set_to_none=True; once is enough where those grads were dropped meanwhile, as "
+              "model.zero_grad() drops them), or gradient_release=False. Nothing was zeroed")
 GRADSCALER_WHY = ("torch.amp.GradScaler cannot drive an optimizer with gradient_release=True: its buckets step inside "
                   "backward, before GradScaler has unscaled the grads or checked all of them for inf/NaN, and a step "
                   "it would skip cannot be taken back without keeping every grad. {moved}Use bf16 autocast (no "
