@@ -211,13 +211,6 @@ class FastOptimizer(GradientRelease, torch.optim.Optimizer):
         if why:
             raise ValueError(f"{type(self).__name__} with state_bits={bits}: {why}")
 
-    def _check_groups(self) -> None:
-        """Every group's hyper-parameters and storage settings, as a step checks them (release checks them all as
-        a backward starts, before its first bucket steps)."""
-        for group in self.param_groups:
-            self.rule.validate(group)
-            self._check_storage(group)
-
     def _state_format(self, p: Tensor, name: str, group: dict) -> storage.Format:
         """How a state of ``p`` is kept: the group's ``state_bits`` (the optimizer's by default)."""
         bits, min_quant_size, _ = self._storage_settings(group)
@@ -245,16 +238,6 @@ class FastOptimizer(GradientRelease, torch.optim.Optimizer):
         if self._release is not None:
             self._release.new_window()
         return loss
-
-    @torch.no_grad()
-    def _release_step(self, params: list[Tensor]) -> list[Tensor]:
-        """A released bucket's step (``engine.release``), as ``step()`` steps ``params``; returns those stepped."""
-        self._resolve_skips()
-        factor = None if self.max_grad_norm is None else self._release.measuring().take_factor()  # (or refused)
-        chosen = self._release.by_group(self.param_groups, params)
-        work = [self._collect(index, group, ps) for index, group, ps in chosen]  # validates
-        self._run([(index, group) for index, group, _ in chosen], work, released=True, grad_mul=factor)
-        return [p for _, _, ps in chosen for p in ps]
 
     def _run(self, groups: list[tuple[int, dict]], work: list, released: bool = False,
              grad_mul: Tensor | None = None) -> None:
@@ -389,21 +372,14 @@ class FastOptimizer(GradientRelease, torch.optim.Optimizer):
     @eager(reason=STEP_NOT_TRACEABLE)  # (as torch.optim's own zero_grad is)
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As torch.optim's. In flat mode ``set_to_none=False`` zeroes each bucket's grad buffer with one memset."""
-        rel, freed = self.__dict__.get("_release"), release_state.FREED
-        if rel is not None:
-            rel.zeroing(type(self).__name__)
-        if freed:  # (grads released by this optimizer or an older one over its params)
-            ids = {id(p) for group in self.param_groups for p in group["params"]} & freed
-            if ids and not set_to_none:
-                raise RuntimeError(f"{type(self).__name__}.{release.KEPT_ZEROS.format(n=len(ids))}")
-            freed.difference_update(ids)
+        self._before_zero_grad(set_to_none)  # (release's refusals: nothing changed yet)
         if not self.flat:
             super().zero_grad(set_to_none)
         for buckets in self._flat_buckets:
             for bucket in buckets:
                 bucket.zero_grads(set_to_none)
-        if rel is not None:
-            rel.zeroed()
+        if self.__dict__.get("_release") is not None:
+            self._release.zeroed()
 
     def _param_index(self, param: Tensor) -> int:
         index = 0

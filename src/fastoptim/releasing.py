@@ -1,11 +1,15 @@
-"""The torch.optim surface's part of gradient release (``gradient_release=True``): the methods users call on the
-optimizer; the driver itself is ``engine.release``."""
+"""The optimizer's part of gradient release (``gradient_release=True``): the methods users call on the optimizer,
+and those of its own that release needs (a bucket's step, the checks before a backward's first bucket and before
+``zero_grad()``); the driver itself is ``engine.release``."""
 
 from __future__ import annotations
 
 from contextlib import nullcontext
 
-from .engine import release_ddp
+import torch
+from torch import Tensor
+
+from .engine import release, release_ddp, release_state
 
 
 class GradientRelease:
@@ -35,3 +39,33 @@ class GradientRelease:
                                f"max_grad_norm={self.max_grad_norm}: clip in opt.step()")
         self._release.rehook()  # (hooks for params unfrozen since; the window's norms start anew)
         return self._release.measuring().measure()
+
+    # --- what FastOptimizer's own methods call ---------------------------------------------------------------
+
+    @torch.no_grad()
+    def _release_step(self, params: list[Tensor]) -> list[Tensor]:
+        """A released bucket's step (``engine.release``), as ``step()`` steps ``params``; returns those stepped."""
+        self._resolve_skips()
+        factor = None if self.max_grad_norm is None else self._release.measuring().take_factor()  # (or refused)
+        chosen = self._release.by_group(self.param_groups, params)
+        work = [self._collect(index, group, ps) for index, group, ps in chosen]  # validates
+        self._run([(index, group) for index, group, _ in chosen], work, released=True, grad_mul=factor)
+        return [p for _, _, ps in chosen for p in ps]
+
+    def _check_groups(self) -> None:
+        """Every group's hyper-parameters and storage settings, as a step checks them (release checks them all as
+        a backward starts, before its first bucket steps)."""
+        for group in self.param_groups:
+            self.rule.validate(group)
+            self._check_storage(group)
+
+    def _before_zero_grad(self, set_to_none: bool) -> None:
+        """What release refuses of ``zero_grad()``, before anything changes; the freed grads it then forgets."""
+        if self.__dict__.get("_release") is not None:
+            self._release.zeroing(type(self).__name__)
+        freed = release_state.FREED
+        if freed:  # (grads released by this optimizer or an older one over its params)
+            ids = {id(p) for group in self.param_groups for p in group["params"]} & freed
+            if ids and not set_to_none:
+                raise RuntimeError(f"{type(self).__name__}.{release.KEPT_ZEROS.format(n=len(ids))}")
+            freed.difference_update(ids)
