@@ -276,16 +276,20 @@ class FastOptimizer(GradientRelease, torch.optim.Optimizer):
         self._check_storage(group)
         if self.flat:
             self._check_flat_group(index, group)
-        for p in params:  # the rounding's own state, as a user may have put it in: checked before anything runs
+        self._check_rounding_states(params)
+        built = plan.build(rule, group, params, self._state, self._state_format, self._param_index,
+                           self._flat_buckets[index] if self.flat else None)
+        built.active = shape
+        return built
+
+    def _check_rounding_states(self, params: list[Tensor]) -> None:
+        """The rounding's own state, as a user may have put it in: checked before anything runs."""
+        for p in params:
             for name in storage.ROUNDING_STATES:
                 value = self._state[p].get(name) if p in self._state else None
                 why = None if value is None else storage.check_rounding_state(name, value, p)
                 if why:
                     raise ValueError(f"state {name!r} of param {self._param_index(p)} {why}")
-        built = plan.build(rule, group, params, self._state, self._state_format, self._param_index,
-                           self._flat_buckets[index] if self.flat else None)
-        built.active = shape
-        return built
 
     def _commit(self, key, step_plan: plan.Plan) -> None:
         """A new plan's states put in place (its buckets' path caches start empty); kept for the next step."""

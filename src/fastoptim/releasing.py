@@ -9,7 +9,7 @@ from contextlib import nullcontext
 import torch
 from torch import Tensor
 
-from .engine import release, release_ddp, release_state
+from .engine import plan, release, release_ddp, release_state
 
 
 class GradientRelease:
@@ -54,10 +54,19 @@ class GradientRelease:
 
     def _check_groups(self) -> None:
         """Every group's hyper-parameters and storage settings, as a step checks them (release checks them all as
-        a backward starts, before its first bucket steps)."""
+        a backward starts, before its first bucket steps); the states there are too, where they changed since."""
         for group in self.param_groups:
             self.rule.validate(group)
             self._check_storage(group)
+        version = self._state.version
+        if self._release.states_checked == version:
+            return
+        first = 0
+        for group in self.param_groups:
+            plan.check_states(self.rule.for_group(group), group, self._state, self._state_format, first)
+            self._check_rounding_states(group["params"])
+            first += len(group["params"])
+        self._release.states_checked = version
 
     def _before_zero_grad(self, set_to_none: bool) -> None:
         """What release refuses of ``zero_grad()``, before anything changes; the freed grads it then forgets."""

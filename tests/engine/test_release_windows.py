@@ -112,6 +112,26 @@ def test_a_bad_group_is_refused_before_any_bucket_steps(gradient_release):
     assert len(opt.state) == 0
 
 
+@pytest.mark.parametrize("gradient_release", [False, True])
+@pytest.mark.parametrize("bits", [32, 8])
+def test_a_bad_state_is_refused_before_any_bucket_steps(gradient_release, bits):
+    # a state put in by hand with the wrong shape, for the first layer (its bucket steps last in backward)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))
+    opt = AdamW(model.parameters(), lr=1e-2, state_bits=bits, gradient_release=gradient_release,
+                release_bucket_mb=0.01 if gradient_release else None)
+    model(torch.randn(3, 64)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    opt.state[model[0].weight]["exp_avg"] = torch.zeros(3, 3)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match="state 'exp_avg' of param 0"):
+        model(torch.randn(3, 64)).sum().backward()
+        opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    opt.zero_grad()  # (nothing stepped: the window may be dropped)
+
+
 def test_a_sparse_grad_is_refused_by_name():
     emb = torch.nn.Embedding(5, 3, sparse=True)
     opt = AdamW(emb.parameters(), lr=0.1, gradient_release=True)

@@ -283,6 +283,22 @@ def _adopt(value: Any, p: Tensor, fmt: storage.Format, name: str, index: int, sh
         raise type(e)(f"state {name!r} of param {index} {e}") from None
 
 
+def check_states(rule, group: dict, state_map: StateMap, state_format, first_index: int) -> None:
+    """What ``build`` refuses of the states already in the group's params' dicts, refused without building or
+    changing anything (release checks every group so before a backward's first bucket steps). ``first_index``:
+    the optimizer index of the group's first param."""
+    active = rule.active(group)
+    for index, p in enumerate(group["params"], first_index):
+        state = state_map.get(p)
+        if not state:
+            continue
+        for name, on in zip(rule.state_names, active):
+            value = state.get(name) if on else None
+            shape = None if value is None else rule.state_shape(name, p)
+            if shape is not None:
+                _adopt(value, p, state_format(p, name, group), name, index, shape)
+
+
 def _param_states(plan: Plan, p: Tensor, state: dict | None, names: list[str], exports_step: bool,
                   make, param_index) -> tuple[list[Tensor], int]:
     """One param's state tensors for this step and its count. ``make(name, value)`` gives the tensor the

@@ -77,6 +77,7 @@ class Release:
         self.accumulates = False  # whether accelerate says this backward accumulates, read at its start
         self.paused = 0  # ``accumulating()`` depth
         self.flushes = 0  # buckets stepped (tests check that release ran)
+        self.states_checked: int | None = None  # the state map's version whose states were last checked
         self.planned_by: dict[int, object] = {}  # id(param) -> the key of the cached plan that last stepped it
         self.places: dict[int, tuple[int, int]] = {}  # id(param) -> (group index, position), checked at each use
         self.norm: NormPass | None = None  # max_grad_norm's measuring backward (``release_norm``)
