@@ -9,9 +9,10 @@ by side, each in its own process, and prints a markdown table.
 Peak memory is the process's maximum resident memory over its whole life (``peak_rss_mb`` of the summary), or
 with ``--malloc tensors`` the peak of the bytes held by live tensors, from torch's memory profiler over the whole
 run (the allocator's own keeping left out): the runs differ only in the flag, so the difference is what release
-saves, set against the grads' bytes (fp32 params: 4 bytes each). Step time is the median over steps after the first two of each run; with ``--rounds N`` the
-pairs alternate (off, on, on, off, ...) so a machine's drift falls on both alike, and the overhead is the median
-of the per-round ratios. Clipping is off in both runs (release refuses it).
+saves, set against the grads' bytes (fp32 params: 4 bytes each). Step time is the median over steps after the
+first two of each run; with ``--rounds N`` the pairs alternate (off, on, on, off, ...) so a machine's drift falls on
+both alike, and the overhead is the median of the per-round ratios (none under the profiler). Clipping is off in
+both runs (each would clip its own way: release by a measuring backward).
 """
 
 from __future__ import annotations
@@ -68,7 +69,9 @@ def run(config: str, bits: int, release: bool, steps: int, out: str, malloc: str
     cmd = [sys.executable, "-m", "fastoptim", "train", *CONFIGS[config], "--state-bits", str(bits),
            "--steps", str(steps), "--warmup", "1", "--eval-every", str(steps), "--eval-batches", "1",
            "--save-every", str(10 * steps), "--sample-tokens", "0", "--no-progress", "--max-grad-norm", "none",
-           "--out-dir", out, "--json", path] + (["--gradient-release", *RELEASE_FLAGS.get(config, [])] if release else [])
+           "--out-dir", out, "--json", path]
+    if release:
+        cmd += ["--gradient-release", *RELEASE_FLAGS.get(config, [])]
     if malloc == "tensors":
         cmd[1:4] = [__file__, "--profiled", path, "--"]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, env={**os.environ, **MALLOC[malloc]})
@@ -168,7 +171,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1, help="off/on pairs per configuration, alternating")
     ap.add_argument("--malloc", choices=list(MALLOC), default="glibc",
                     help="glibc: the allocator as it comes; live: freed blocks over 64 KiB go back to the system; "
-                         "tensors: the peak of live tensors' bytes (torch's memory profiler) instead of resident memory")
+                         "tensors: the peak of live tensors' bytes (torch's memory profiler), not resident memory")
     ap.add_argument("--many-tensors", type=int, default=0, metavar="ROUNDS",
                     help="instead: buckets against a call per param on 4000 small tensors, ROUNDS rounds")
     ap.add_argument("--in-process", type=int, default=0, metavar="ROUNDS",

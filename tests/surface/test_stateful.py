@@ -99,7 +99,7 @@ class UserProgram(RuleBasedStateMachine):
         self.scalers = None
         self.added = 0
         self.stepped_in_backward = False  # since the last step() or zero_grad(): another backward would be refused
-        self.freed = False  # (release) grads freed after their step since the last zero_grad(): set_to_none=False refused
+        self.freed = False  # (release) grads freed since the last zero_grad(): set_to_none=False is refused
         self.defer_check = False
         self._as_stored()  # (Adagrad makes its state at once)
 

@@ -257,8 +257,8 @@ RELEASED_TWICE = ("gradient_release=True: a param got a second grad to step on s
                   "torch.optim steps once on their sum. It stepped on the first; this one is refused. Backpropagate "
                   "the earlier ones under `with opt.accumulating():` (Lightning's accumulate_grad_batches: "
                   "callbacks=[fastoptim.integrations.lightning.GradientRelease()]), call opt.step() after each "
-                  "backward, or use torch.utils.checkpoint with use_reentrant=False. (Or this optimizer is kept alive beside a newer "
-                  "torch.optim optimizer over the same params: delete it)")
+                  "backward, or use torch.utils.checkpoint with use_reentrant=False. (Or this optimizer is kept "
+                  "alive beside a newer torch.optim optimizer over the same params: delete it)")
 STEPPED_UNASKED = ("torch.optim would step nothing on that backward's grads and zero_grad() would discard them, but "
                    "release has stepped on them. A backward that is not meant to step this optimizer (a GAN's "
                    "generator backward through the discriminator, a backward for analysis) goes under `with "

@@ -9,8 +9,9 @@ import weakref
 from torch import Tensor
 
 # id(param) -> a weak reference to the Release that steps it (the newest to hook it), or to the ``Claim`` of a newer
-# optimizer without release; a param's entry goes with the param. (A plain dict: the hook reads it for every param in every backward, and a weak-keyed lookup costs several
-# times more; the value is weak so that no optimizer's leftovers are kept alive through it.)
+# optimizer without release; a param's entry goes with the param. (A plain dict: the hook reads it for every param
+# in every backward, and a weak-keyed lookup costs several times more; the value is weak so that no optimizer's
+# leftovers are kept alive through it.)
 OWNERS: dict[int, "weakref.ref[Release]"] = {}
 # id(param) of the params (all in OWNERS) whose grad a release freed after its step, since a fastoptim zero_grad():
 # torch.optim would still hold that grad, and zero_grad(set_to_none=False) would zero it, not leave it None
