@@ -58,8 +58,17 @@ def check_loaded(opt, state_dict: dict[str, Any]) -> list[tuple]:
                 raise ValueError(f"loaded state dict's {name!r} for param {index} has shape "
                                  f"{tuple(value.shape)}; it must have shape {shape} (the param has shape "
                                  f"{tuple(p.shape)})")
-            if value.dtype != p.dtype and value.dtype == storage.codecs.of(
-                    opt._state_format(p, name, group_of[id(p)])).tensor_dtype(p.dtype):  # kept as saved (bf16)
+            fmt = opt._state_format(p, name, group_of[id(p)])
+            kept_as = storage.codecs.of(fmt).tensor_dtype(p.dtype)
+            quantized_here = kept_as is None and name in rule.state_names
+            if quantized_here and not (storage.is_dtensor(value) or storage.is_dtensor(p)):
+                # kept in several tensors here (8/4-bit): converted as it loads, span by span, so neither a
+                # copy of the saved tensor nor torch's cast of it is ever made
+                try:
+                    kept.append((index, p, name, storage.codecs.of(fmt).adopt(value, p, fmt)))
+                except ValueError as e:
+                    raise ValueError(f"loaded state dict's {name!r} for param {index} {e}") from None
+            elif value.dtype != p.dtype and value.dtype == kept_as:  # kept as saved (bf16)
                 kept.append((index, p, name, value.to(p.device, copy=True)))
         for name, saved in parts.items():
             try:

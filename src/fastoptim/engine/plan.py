@@ -158,7 +158,7 @@ class Plan:
 
 
 def _memory(x: Tensor | storage.QuantizedState) -> list[int]:
-    return [t.untyped_storage()._cdata for t in ((x.codes, x.absmax) if isinstance(x, storage.QuantizedState) else (x,))]
+    return [t.untyped_storage()._cdata for t in (x.tensors() if isinstance(x, storage.QuantizedState) else (x,))]
 
 
 def _written(pending: list[tuple]) -> set[int]:
@@ -179,8 +179,7 @@ def _unaliased(pending: list[tuple], written: set[int]) -> list[tuple]:
     for i in copied:
         p, name, value, fill = pending[i]
         if written.intersection(_memory(fill)):
-            fill = fill.clone() if isinstance(fill, Tensor) else storage.QuantizedState(
-                fill.codes.clone(), fill.absmax.clone(), fill.fmt, fill.shape)
+            fill = fill.clone()
             pending[i] = (p, name, value, fill)
     return pending
 

@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from . import codecs, quant
-from .state import PLAIN, Format, QuantizedState, is_dtensor as _is_dtensor
+from .state import PLAIN, Format, QuantizedState, is_dtensor
 
 STATE_BITS = (32, 16, 8, 4)
 MIN_QUANT_SIZE = 4096
@@ -135,7 +135,7 @@ def stochastic_round(x: Tensor, key: int, index: Tensor | None = None) -> Tensor
 def element_index(param: Tensor) -> Tensor:
     """Each element's row-major index in the whole param, for this rank's part of it (a DTensor's local shard
     sits at its global offset; a plain tensor is all of itself)."""
-    if not _is_dtensor(param):
+    if not is_dtensor(param):
         return torch.arange(param.numel(), dtype=torch.int64, device=param.device).view(param.shape)
     local = param.to_local()
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
@@ -208,9 +208,12 @@ def adopt(value: Any, p: Tensor, fmt: Format) -> Tensor | QuantizedState:
             value = value.to(p.device)
         if value.fmt == fmt and value.shape == p.shape:
             return value.seal()  # a step holds its tensors from now on
-        if codec.tensor_dtype(p.dtype) is None and value.shape == p.shape:  # kept otherwise too: through fp32
-            return codec.adopt(value.dequantize().to(p.device), p, fmt)
-        return adopt(value.dequantize(p.dtype).to(p.device), p, fmt)
+        if codec.tensor_dtype(p.dtype) is None and value.shape == p.shape:  # kept otherwise too: span by span
+            local = p.to_local() if is_dtensor(p) else p
+            converted = QuantizedState.empty(local.shape, fmt, local.device)
+            converted.copy_(value)
+            return converted.sharded_like(p) if is_dtensor(p) else converted
+        return adopt(value.dequantize(codec.tensor_dtype(p.dtype) or p.dtype), p, fmt)
     if not isinstance(value, Tensor):
         raise TypeError(f"must be a tensor, got {type(value).__name__}")
     if value.shape != p.shape or value.device != p.device:
@@ -263,7 +266,7 @@ def kernel_signature(params: list[Tensor], grads: list[Tensor], states: list[lis
     ``dtype``, every active state one a kernel takes, ``kernel_format``, and all of one codec: the kernel walks
     a param one way), else None."""
     p, g = params[i], grads[i]
-    if _is_dtensor(p) or _is_dtensor(g) or p.dtype != dtype or g.dtype != dtype:
+    if is_dtensor(p) or is_dtensor(g) or p.dtype != dtype or g.dtype != dtype:
         return None
     if not (p.is_contiguous() and g.is_contiguous()) or p.numel() == 0 or g.shape != p.shape:
         return None
@@ -296,7 +299,7 @@ def rounding_state(entry: dict | None, index: int | None, param: Tensor, roundin
         value = torch.zeros_like(param, memory_format=torch.preserve_format) if rounding == "kahan" else \
             torch.tensor([rounding_seed(index), 0], dtype=torch.int64)
         entry[name] = value
-    return value.to_local() if _is_dtensor(value) else value
+    return value.to_local() if is_dtensor(value) else value
 
 
 def rounding_key(state: Tensor) -> int:

@@ -228,46 +228,124 @@ def codes_shape(shape, bits: int) -> tuple[int, ...]:
     return rows, -(-length // 2)
 
 
-def _blocked(x: Tensor, block: int) -> Tensor:
-    """x as (rows, blocks, block), fp32, zero-padded at the end of each row."""
-    rows, length = rows_of(x.shape)
+# --- conversions in bounded spans ----------------------------------------------------------------------
+
+CHUNK = 1 << 16  # the most elements a conversion works on at once: its temporaries are O(CHUNK), never O(tensor)
+
+
+def spans(shape, block: int, chunk: int | None = None):
+    """(rows, columns) slices that cover a tensor of ``shape`` read as rows, each at most ``chunk`` elements (at
+    least one block) and cut between blocks (``block``: a multiple of every block size the conversion meets), so
+    each span quantizes on its own to exactly the codes of the whole tensor."""
+    chunk = CHUNK if chunk is None else chunk
+    rows, length = rows_of(shape)
+    if rows == 0 or length == 0:
+        return
+    if length <= chunk:
+        per = max(1, chunk // length)
+        for r in range(0, rows, per):
+            yield slice(r, min(r + per, rows)), slice(0, length)
+        return
+    width = max(block, chunk // block * block)
+    for r in range(rows):
+        for c in range(0, length, width):
+            yield slice(r, r + 1), slice(c, min(c + width, length))
+
+
+def rows_view(t: Tensor, shape) -> Tensor:
+    """``t`` (of ``shape``) as (rows, row_length); a view where its layout allows."""
+    return t.reshape(rows_of(shape))
+
+
+def encode_span(values: Tensor, qmap: QuantMap, block: int) -> tuple[Tensor, Tensor]:
+    """Codes (uint8, one a value: not packed) and absmax of a span of whole blocks ``values`` (rows, n; any
+    float dtype, read as fp32; only a row's last block may be short)."""
+    rows, length = values.shape
     nblocks = -(-length // block)
-    x = x.reshape(rows, length).float()
-    pad = nblocks * block - length
-    if pad:
-        x = torch.nn.functional.pad(x, (0, pad))
-    return x.reshape(rows, nblocks, block)
+    x = values.float()
+    if nblocks * block != length:
+        x = torch.nn.functional.pad(x, (0, nblocks * block - length))
+    x = x.reshape(rows, nblocks, block)
+    absmax = x.abs().amax(dim=2) if x.numel() else x.new_zeros(x.shape[:2])
+    divisor = torch.where(absmax == 0, torch.ones_like(absmax), absmax)
+    codes = encoder(qmap, x.device).encode(x / divisor.unsqueeze(2)).to(torch.uint8)
+    return codes.reshape(rows, nblocks * block)[:, :length], absmax
+
+
+def decode_span(codes: Tensor, absmax: Tensor, qmap: QuantMap, block: int) -> Tensor:
+    """fp32 values (rows, n) of unpacked ``codes`` (rows, n) and their blocks' ``absmax`` (rows, blocks)."""
+    rows, length = codes.shape
+    values = qmap.table(codes.device)[codes.long()]
+    nblocks = absmax.shape[1]
+    if nblocks * block != length:
+        values = torch.nn.functional.pad(values, (0, nblocks * block - length))
+    return (values.reshape(rows, nblocks, block) * absmax.unsqueeze(2)).reshape(rows, -1)[:, :length]
+
+
+def read_span(codes: Tensor, absmax: Tensor, shape, bits: int, block: int, rs: slice, cs: slice
+              ) -> tuple[Tensor, Tensor]:
+    """The unpacked codes and the absmax of the span (``rs``, ``cs``) of a tensor of ``shape`` (``cs`` starts at
+    a block)."""
+    rows, length = rows_of(shape)
+    blocks = slice(cs.start // block, -(-cs.stop // block))
+    if bits == 8:
+        return codes.reshape(rows, length)[rs, cs], absmax[rs, blocks]
+    packed = codes[rs, cs.start // 2:-(-cs.stop // 2)]
+    return unpack4(packed, cs.stop - cs.start), absmax[rs, blocks]
+
+
+def write_span(codes: Tensor, absmax: Tensor, shape, bits: int, block: int, rs: slice, cs: slice,
+               span_codes: Tensor, span_absmax: Tensor) -> None:
+    """``span_codes`` (unpacked) and ``span_absmax`` into the span (``rs``, ``cs``) of a state of ``shape``."""
+    rows, length = rows_of(shape)
+    absmax[rs, cs.start // block:-(-cs.stop // block)] = span_absmax
+    if bits == 8:
+        codes.view(rows, length)[rs, cs] = span_codes
+    else:
+        codes[rs, cs.start // 2:-(-cs.stop // 2)] = pack4(span_codes)
 
 
 def quantize(x: Tensor, qmap: QuantMap, block: int) -> tuple[Tensor, Tensor]:
-    """``(codes, absmax)`` of ``x`` (any float dtype, read as fp32)."""
-    rows, length = rows_of(x.shape)
-    blocks = _blocked(x, block)
-    absmax = blocks.abs().amax(dim=2) if blocks.numel() else blocks.new_zeros(blocks.shape[:2])
-    divisor = torch.where(absmax == 0, torch.ones_like(absmax), absmax)
-    normalized = blocks / divisor.unsqueeze(2)
-    codes = encoder(qmap, x.device).encode(normalized).to(torch.uint8)
-    codes = codes.reshape(rows, blocks.shape[1] * block)[:, :length]
-    if qmap.bits == 8:
-        return codes.reshape(x.shape).contiguous(), absmax  # not a view of the padded blocks: its own bytes
-    return pack4(codes), absmax
+    """``(codes, absmax)`` of ``x`` (any float dtype, read as fp32), converted span by span."""
+    codes = torch.empty(codes_shape(x.shape, qmap.bits), dtype=torch.uint8, device=x.device)
+    absmax = torch.empty(absmax_shape(x.shape, block), dtype=torch.float32, device=x.device)
+    rows = rows_view(x, x.shape)
+    for rs, cs in spans(x.shape, block):
+        write_span(codes, absmax, x.shape, qmap.bits, block, rs, cs, *encode_span(rows[rs, cs], qmap, block))
+    return codes, absmax
 
 
 def dequantize(codes: Tensor, absmax: Tensor, qmap: QuantMap, block: int, shape, out: Tensor | None = None
                ) -> Tensor:
-    """fp32 values of shape ``shape`` (written into ``out`` when given)."""
-    rows, length = rows_of(shape)
-    if qmap.bits == 4:
-        codes = unpack4(codes, length)
-    values = qmap.table(codes.device)[codes.reshape(rows, length).long()]
-    nblocks = absmax.shape[1]
-    if nblocks * block != length:
-        values = torch.nn.functional.pad(values, (0, nblocks * block - length))
-    values = (values.reshape(rows, nblocks, block) * absmax.unsqueeze(2)).reshape(rows, nblocks * block)[:, :length]
-    values = values.reshape(shape)
+    """Values of shape ``shape`` (fp32, or ``out``'s dtype written into ``out``), converted span by span."""
     if out is None:
-        return values.contiguous()  # a padded row leaves a strided view; levels take contiguous temporaries
-    return out.copy_(values)
+        out = torch.empty(shape, dtype=torch.float32, device=codes.device)
+    rows = rows_view(out, shape)
+    for rs, cs in spans(shape, block):
+        rows[rs, cs] = decode_span(*read_span(codes, absmax, shape, qmap.bits, block, rs, cs), qmap, block)
+    if rows.data_ptr() != out.data_ptr() or not out.is_contiguous():  # (a copy: ``out`` is not row-major)
+        out.copy_(rows.reshape(shape))
+    return out
+
+
+def constant(value: float, qmap: QuantMap, block: int) -> tuple[int, float]:
+    """The code and absmax of every element of a state that is ``value`` throughout (each block's values are
+    all ``value``, so each block quantizes as one element does)."""
+    codes, absmax = encode_span(torch.tensor([[value]], dtype=torch.float32), qmap, block)
+    return int(codes), float(absmax)
+
+
+def fill(codes: Tensor, absmax: Tensor, shape, qmap: QuantMap, block: int, value: float) -> None:
+    """Codes and absmax of ``value`` everywhere, written directly (as ``quantize`` of a full tensor writes them,
+    a 4-bit row's pad nibble 0)."""
+    code, scale = constant(value, qmap, block)
+    absmax.fill_(scale)
+    if qmap.bits == 8:
+        codes.fill_(code)
+        return
+    codes.fill_(code | code << 4)
+    if rows_of(shape)[1] % 2:
+        codes[:, -1] = code
 
 
 def pack4(codes: Tensor) -> Tensor:

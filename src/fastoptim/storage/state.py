@@ -17,6 +17,7 @@ behave like tensors to it:
 
 from __future__ import annotations
 
+import math
 import weakref
 from dataclasses import dataclass
 
@@ -114,13 +115,30 @@ class QuantizedState:
         return self
 
     @staticmethod
-    def of(values: Tensor, fmt: Format) -> "QuantizedState":
-        """``values`` quantized; a sharded ``values`` (a DTensor sharded on dim 0, as FSDP2 shards) gives codes
-        and absmax sharded the same way, each rank quantizing its own rows."""
+    def empty(shape, fmt: Format, device) -> "QuantizedState":
+        """A state of a param of ``shape`` in ``fmt`` on ``device``, its values unset."""
+        tensors = [torch.empty(part, dtype=dtype, device=device) for dtype, part in registry.of(fmt).parts(shape, fmt)]
+        return QuantizedState(*tensors, fmt, torch.Size(shape))
+
+    @staticmethod
+    def of(values: Tensor, fmt: Format, device=None) -> "QuantizedState":
+        """``values`` quantized (on ``device``, ``values``' by default; converted span by span: no temporary of
+        the whole tensor); a sharded ``values`` (a DTensor sharded on dim 0, as FSDP2 shards) gives codes and
+        absmax sharded the same way, each rank quantizing its own rows."""
         if is_dtensor(values):
-            return QuantizedState.of(values.to_local(), fmt).sharded_like(values)
-        codes, absmax = quant.quantize(values, fmt.qmap, fmt.block)
-        return QuantizedState(codes, absmax, fmt, values.shape)
+            return QuantizedState.of(values.to_local(), fmt, device).sharded_like(values)
+        state = QuantizedState.empty(values.shape, fmt, values.device if device is None else device)
+        convert(values, state)
+        return state
+
+    @staticmethod
+    def full(p: Tensor, fmt: Format, value: float) -> "QuantizedState":
+        """A state of ``p`` (sharded like it when it is a DTensor) with every element ``value``, its codes and
+        absmax written directly."""
+        local = p.to_local() if is_dtensor(p) else p
+        state = QuantizedState.empty(local.shape, fmt, local.device)
+        registry.of(fmt).fill(state, value)
+        return state.sharded_like(p) if is_dtensor(p) else state
 
     @property
     def is_sharded(self) -> bool:
@@ -149,38 +167,47 @@ class QuantizedState:
             return DTensor.from_local(local, param.device_mesh, param.placements, run_check=False,
                                       shape=torch.Size(shape), stride=stride)
 
-        shape = param.shape
-        return QuantizedState(wrap(self.codes, quant.codes_shape(shape, self.fmt.bits)),
-                              wrap(self.absmax, quant.absmax_shape(shape, self.fmt.block)), self.fmt, shape)
+        shapes = [shape for _, shape in registry.of(self.fmt).parts(param.shape, self.fmt)]
+        return QuantizedState(*(wrap(t, shape) for t, shape in zip(self.tensors(), shapes)), self.fmt, param.shape)
+
+    def tensors(self) -> tuple[Tensor, Tensor]:
+        """The tensors the state is kept in, in its codec's ``parts`` order."""
+        return self.codes, self.absmax
+
+    def clone(self) -> "QuantizedState":
+        return QuantizedState(*(t.clone() for t in self.tensors()), self.fmt, self.shape)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:
-        """The values; a sharded state gives a DTensor sharded like its param."""
+        """The values, in ``dtype`` (written span by span into the one tensor returned); a sharded state gives a
+        DTensor sharded like its param."""
         if self.is_sharded:
             from torch.distributed.tensor import DTensor
 
             values = self.local().dequantize(dtype)
             return DTensor.from_local(values, self.codes.device_mesh, self.codes.placements, run_check=False,
                                       shape=self.shape, stride=torch.empty(self.shape, device="meta").stride())
-        return quant.dequantize(self.codes, self.absmax, self.fmt.qmap, self.fmt.block, self.shape).to(dtype)
+        out = torch.empty(self.shape, dtype=dtype, device=self.device)
+        convert(self, out)
+        return out
 
     def store(self, values: Tensor) -> None:
+        """``values`` (of the state's shape, any float dtype and device) quantized into its own tensors."""
         if self.is_sharded:
             return self.local().store(values.to_local() if is_dtensor(values) else values)
-        codes, absmax = quant.quantize(values, self.fmt.qmap, self.fmt.block)
-        self.codes.copy_(codes)
-        self.absmax.copy_(absmax)
+        convert(values, self)
 
     def copy_(self, src: "QuantizedState") -> None:
-        """``src``'s values into this state's own tensors (byte for byte where the formats match)."""
+        """``src``'s values into this state's own tensors (byte for byte where the formats match; else
+        converted span by span)."""
         if src.fmt == self.fmt and src.shape == self.shape and not (src.is_sharded or self.is_sharded):
             self.codes.copy_(src.codes)
             self.absmax.copy_(src.absmax)
         else:
-            self.store(src.dequantize())
+            self.store(src.local() if src.is_sharded else src)
 
     def fill_(self, value: float) -> None:
         """Every element ``value``, as ``make`` starts a state."""
-        self.store(torch.full(self.shape, value, dtype=torch.float32, device=self.device))
+        registry.of(self.fmt).fill(self.local(), value)
 
     # --- moving between devices, as code that walks optimizer.state moves tensors ---------------------
 
@@ -211,16 +238,7 @@ class QuantizedState:
     def layout_error(self) -> str | None:
         """What is wrong with the codes and absmax for this state's format and shape (None: nothing), such as
         a walk that cast every tensor it found."""
-        codes_shape = quant.codes_shape(self.shape, self.fmt.bits)
-        absmax_shape = quant.absmax_shape(self.shape, self.fmt.block)
-        if self.codes.dtype != torch.uint8 or tuple(self.codes.shape) != codes_shape \
-                or self.absmax.dtype != torch.float32 or tuple(self.absmax.shape) != absmax_shape \
-                or self.absmax.device != self.codes.device:
-            return (f"is a {self.fmt.tag} state of shape {tuple(self.shape)} with codes {self.codes.dtype} "
-                    f"{tuple(self.codes.shape)} on {self.codes.device} and absmax {self.absmax.dtype} "
-                    f"{tuple(self.absmax.shape)} on {self.absmax.device}; it needs uint8 codes {codes_shape} and "
-                    f"float32 absmax {absmax_shape} on one device")
-        return None
+        return registry.of(self.fmt).layout_error(self)
 
     @property
     def device(self) -> torch.device:
@@ -251,3 +269,39 @@ def _own_bytes(t: Tensor) -> Tensor:
 def is_dtensor(t) -> bool:
     """A sharded tensor (FSDP2 / tensor parallel), told apart without importing torch.distributed."""
     return type(t) is not Tensor and type(t).__name__ == "DTensor" and hasattr(t, "to_local")
+
+
+def convert(src, dst) -> None:
+    """The values of ``src`` into ``dst`` (each a tensor or a local ``QuantizedState`` of one shape, on any devices),
+    span by span (``quant.spans``): a conversion's temporaries are a span's, never the whole tensor's."""
+    shape = src.shape
+    block = math.lcm(_span_block(src), _span_block(dst))
+    read, write = _reader(src), _writer(dst)
+    for rs, cs in quant.spans(shape, block):
+        write(rs, cs, read(rs, cs))
+
+
+def _span_block(x) -> int:
+    return registry.of(x.fmt).span_block(x.fmt) if isinstance(x, QuantizedState) else 1
+
+
+def _reader(x):
+    if isinstance(x, QuantizedState):
+        codec = registry.of(x.fmt)
+        return lambda rs, cs: codec.read_span(x, rs, cs)
+    rows = quant.rows_view(x, x.shape)  # (a view, but for a tensor laid out otherwise: then one copy of it)
+    return lambda rs, cs: rows[rs, cs]
+
+
+def _writer(x):
+    if isinstance(x, QuantizedState):
+        codec = registry.of(x.fmt)
+        return lambda rs, cs, values: codec.write_span(x, rs, cs, values.to(x.device))
+    rows = quant.rows_view(x, x.shape)
+    if rows.data_ptr() != x.data_ptr() or not x.is_contiguous():
+        raise ValueError("a conversion writes into a contiguous tensor")
+
+    def write(rs, cs, values):
+        rows[rs, cs] = values
+
+    return write

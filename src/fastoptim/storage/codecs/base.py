@@ -64,6 +64,28 @@ class Codec:
         """The state whose tensors (``parts``) are ``tensors``: views, not copies (flat mode's pooled states)."""
         raise NotImplementedError(f"{self.name} keeps a state as one tensor")
 
+    # conversions of a state kept as several tensors, span by span (``state.convert``: never the whole tensor)
+
+    def span_block(self, fmt: Format) -> int:
+        """Spans of a conversion start at multiples of this (a block of the codec's own)."""
+        raise NotImplementedError(f"{self.name} keeps a state as one tensor")
+
+    def read_span(self, state: Any, rows: slice, columns: slice) -> Tensor:
+        """The values (rows, columns) of a local ``state`` read as rows (``quant.rows_of``), any float dtype."""
+        raise NotImplementedError(f"{self.name} keeps a state as one tensor")
+
+    def write_span(self, state: Any, rows: slice, columns: slice, values: Tensor) -> None:
+        """``values`` (on the state's device) into the span (rows, columns) of a local ``state``."""
+        raise NotImplementedError(f"{self.name} keeps a state as one tensor")
+
+    def fill(self, state: Any, value: float) -> None:
+        """Every element of a local ``state`` ``value``, written directly."""
+        raise NotImplementedError(f"{self.name} keeps a state as one tensor")
+
+    def layout_error(self, state: Any) -> str | None:
+        """What is wrong with the tensors of ``state`` for its format and shape (None: nothing)."""
+        return None
+
     def tensors(self, state: Any) -> list[Tensor]:
         """The tensors a state is kept in: the kernels' table holds one address per tensor, in this order."""
         return [state]

@@ -34,11 +34,7 @@ class Dynamic(Codec):
         return self.format(signed=state not in unsigned_states)
 
     def make(self, p: Tensor, fmt: Format, value: float) -> QuantizedState:
-        if is_dtensor(p):
-            local = p.to_local()
-            return QuantizedState.of(torch.full(local.shape, value, dtype=torch.float32, device=local.device),
-                                     fmt).sharded_like(p)
-        return QuantizedState.of(torch.full(p.shape, value, dtype=torch.float32, device=p.device), fmt)
+        return QuantizedState.full(p, fmt, value)
 
     def qmap(self, fmt: Format) -> quant.QuantMap:
         return quant.map_for(fmt.bits, fmt.signed)
@@ -58,7 +54,7 @@ class Dynamic(Codec):
     def adopt(self, value: Tensor, p: Tensor, fmt: Format) -> QuantizedState:
         if not value.is_floating_point():
             raise ValueError(f"has dtype {value.dtype}; a state must be floating point")
-        return QuantizedState.of(value, fmt)
+        return QuantizedState.of(value, fmt, p.device)
 
     def parts(self, shape: torch.Size, fmt: Format) -> list[tuple[torch.dtype, tuple]]:
         return [(torch.uint8, quant.codes_shape(shape, fmt.bits)),
@@ -70,6 +66,34 @@ class Dynamic(Codec):
 
     def tensors(self, state: QuantizedState) -> list[Tensor]:
         return [state.codes, state.absmax]
+
+    def span_block(self, fmt: Format) -> int:
+        return fmt.block
+
+    def read_span(self, state: QuantizedState, rows: slice, columns: slice) -> Tensor:
+        codes, absmax = quant.read_span(state.codes, state.absmax, state.shape, state.fmt.bits, state.fmt.block,
+                                        rows, columns)
+        return quant.decode_span(codes, absmax, state.fmt.qmap, state.fmt.block)
+
+    def write_span(self, state: QuantizedState, rows: slice, columns: slice, values: Tensor) -> None:
+        fmt = state.fmt
+        quant.write_span(state.codes, state.absmax, state.shape, fmt.bits, fmt.block, rows, columns,
+                         *quant.encode_span(values, fmt.qmap, fmt.block))
+
+    def fill(self, state: QuantizedState, value: float) -> None:
+        quant.fill(state.codes, state.absmax, state.shape, state.fmt.qmap, state.fmt.block, value)
+
+    def layout_error(self, state: QuantizedState) -> str | None:
+        codes_shape = quant.codes_shape(state.shape, state.fmt.bits)
+        absmax_shape = quant.absmax_shape(state.shape, state.fmt.block)
+        codes, absmax = state.codes, state.absmax
+        if codes.dtype != torch.uint8 or tuple(codes.shape) != codes_shape or absmax.dtype != torch.float32 \
+                or tuple(absmax.shape) != absmax_shape or absmax.device != codes.device:
+            return (f"is a {state.fmt.tag} state of shape {tuple(state.shape)} with codes {codes.dtype} "
+                    f"{tuple(codes.shape)} on {codes.device} and absmax {absmax.dtype} {tuple(absmax.shape)} on "
+                    f"{absmax.device}; it needs uint8 codes {codes_shape} and float32 absmax {absmax_shape} on one "
+                    f"device")
+        return None
 
     def kernel_format(self, state, p: Tensor) -> Format | None:
         if not isinstance(state, QuantizedState) or state.fmt != self.format(state.fmt.signed):  # not ours
