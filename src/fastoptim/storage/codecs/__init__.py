@@ -10,8 +10,8 @@ A codec owns, for its format:
 * ``tensor_dtype`` (the dtype of a state kept as one tensor; None: kept as several, ``parts``/``assemble``/
   ``tensors``, which flat mode pools and keeps apart from its buffers) and ``adopt`` (a tensor found in
   ``optimizer.state`` converted to it);
-* ``entries`` and ``tag``: what ``state_dict()`` writes for a state (``storage.export_entry``) and the tag that
-  ``load_state_dict`` reads back (``Format.from_tag``);
+* ``entries`` and ``tag``: what ``state_dict()`` writes for a state (``storage.export_entry``) and the tag whose
+  id (``Format.id``) ``load_state_dict`` reads back (``Format.from_id``);
 * its kernel hooks: ``kernel_format`` (which states a kernel may take in place), the walk over a param
   (``kernel_block``, ``walk``, ``tables``), ``columns``/``cpp`` (the table's columns and the declarations, load
   and store the CPU kernel's template ``native/step_kernel.cpp`` is filled with: ``paths.cpu_kernel.kernels``)
@@ -28,8 +28,8 @@ each codec in turn), so two such codecs should not keep the same dtype with diff
 
 from __future__ import annotations
 
-from ..registry import (CODECS, for_bits, from_tag, keys, lookup, names, of, register,  # noqa: F401
-                        unregister)
+from ..registry import (CODECS, for_bits, from_id, from_tag, keys, lookup, names, of, register,  # noqa: F401
+                        tag_id, unregister)
 from .base import Codec, CppPieces  # noqa: F401
 from .bf16 import BF16_CODEC
 from .dynamic import DYNAMIC4, DYNAMIC8
