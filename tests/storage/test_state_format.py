@@ -1,7 +1,7 @@
 """``state_format=``: the state formats by name (``storage.codecs``), with ``state_bits=`` as its alias.
 
-Both spellings make the same optimizer: the same steps, the same state_dict and param groups (which carry
-``state_bits``, as before, so checkpoints and torch.optim interchange do not change). A name that is no format,
+Both spellings make the same optimizer: the same steps, the same state_dict and param groups (``opt.state_bits``
+holds the width, as before, so checkpoints and torch.optim interchange do not change). A name that is no format,
 or two settings that disagree, are refused with an error naming them, and nothing is made."""
 
 import zlib

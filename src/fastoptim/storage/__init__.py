@@ -36,7 +36,7 @@ MIN_QUANT_SIZE = 4096
 
 def check_state_bits(value: Any, where: str = "state_bits") -> int | str:
     """A width (``STATE_BITS``), or the name of a codec registered beside its width's own (``codecs.register``:
-    what groups carry for it)."""
+    what ``state_bits`` holds for it)."""
     if isinstance(value, str) and value in codecs.keys():
         return value
     if isinstance(value, bool) or value not in STATE_BITS:
@@ -46,9 +46,9 @@ def check_state_bits(value: Any, where: str = "state_bits") -> int | str:
 
 def state_bits_of(state_bits: Any = None, state_format: Any = None) -> int | str:
     """The ``state_bits`` that a constructor's ``state_bits=``/``state_format=`` name (32 when neither is given).
-    ``state_format`` is a codec's name or alias (``storage.codecs``); ``state_bits`` stays what param groups and
-    checkpoints carry, so both spellings give the same optimizer. Both given and naming different formats: a
-    ValueError naming both."""
+    ``state_format`` is a codec's name or alias (``storage.codecs``); ``state_bits`` stays what ``opt.state_bits``
+    (and a group that sets its own) holds, so both spellings give the same optimizer. Both given and naming
+    different formats: a ValueError naming both."""
     if state_format is None:
         return 32 if state_bits is None else check_state_bits(state_bits)
     bits = codecs.lookup(state_format).key  # its width, for the built-in formats

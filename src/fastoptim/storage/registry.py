@@ -15,10 +15,10 @@ _BY_BITS: dict[int, Codec] = {}  # each width's own format: what ``state_bits=``
 
 def register(codec: Codec) -> Codec:
     """Make ``codec`` one of the formats (its names must be new). The first codec of a width is that width's
-    own: ``state_bits=bits`` names it, param groups and checkpoints carry the number and its states' formats
-    are ``Format(bits)``. One registered beside it is named only by its name: groups carry the name (its
-    ``key``) and its formats name it (``Codec.format``). No two formats may have the same ``tag_id``:
-    checkpoints name formats by it."""
+    own: ``state_bits=bits`` names it, ``state_bits`` (the optimizer's, a group's own) holds the number and its
+    states' formats are ``Format(bits)``. One registered beside it is named only by its name: ``state_bits``
+    holds the name (its ``key``) and its formats name it (``Codec.format``). No two formats may have the same
+    ``tag_id``: checkpoints name formats by it."""
     for key in (codec.name, *codec.aliases):
         if key in _BY_ALIAS:
             raise ValueError(f"state format name {key!r} is taken by {_BY_ALIAS[key].name!r}")

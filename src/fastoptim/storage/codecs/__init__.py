@@ -3,7 +3,7 @@
 A codec owns, for its format:
 
 * ``name`` (what ``state_format=`` takes), ``aliases`` and ``bits`` (the ``state_bits=`` number it stands for:
-  the key param groups and checkpoints carry, unchanged);
+  what ``opt.state_bits``, and a group that sets its own, hold);
 * ``format_for``: the ``Format`` a state of a param gets (quantized formats leave small params plain);
 * ``make`` (a new state, every element one value), ``load`` (a temporary of the param's dtype, for the staged
   path) and ``store`` (fp32 values back into the state);
@@ -21,7 +21,7 @@ A codec owns, for its format:
 Adding a format is one module here that defines its ``Codec`` (``base``), its line in the list below, and its
 kernel hooks (a format the kernels are not offered, ``kernel_format`` None, runs on the staged path, which needs
 only ``make``, ``load`` and ``store``). A codec registered beside its width's own (a test's, a user's) is named by
-its name only: ``state_format=`` takes it, param groups carry the name where they carry a width, and its states'
+its name only: ``state_format=`` takes it, ``state_bits`` holds the name where it holds a width, and its states'
 ``Format`` names it. A state kept as one tensor is told apart by its dtype alone (``storage.kernel_format`` asks
 each codec in turn), so two such codecs should not keep the same dtype with different kernel hooks.
 """
