@@ -44,8 +44,11 @@ def check_loaded(opt, state_dict: dict[str, Any]) -> list[tuple]:
                 continue
             rule = rules[id(p)]
             if name not in rule.state_names and name not in storage.ROUNDING_STATES:
+                lost = name.endswith((storage.CODES, storage.ABSMAX))  # a quantized state's part, its format lost
                 raise ValueError(f"loaded state dict has state {name!r} for param {index}, which its group's "
-                                 f"algorithm ({rule.name}) does not keep: it keeps {list(rule.state_names)}")
+                                 f"algorithm ({rule.name}) does not keep: it keeps {list(rule.state_names)}"
+                                 + (f" (no {name.rpartition('.')[0]}{storage.FORMAT} entry says its format; "
+                                    f"{storage.TO_TORCH})" if lost else ""))
             if name in storage.ROUNDING_STATES:
                 why = storage.check_rounding_state(name, value.to(p.device), p)
                 if why:

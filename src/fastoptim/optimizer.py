@@ -45,7 +45,7 @@ class FastOptimizer(GradientRelease, torch.optim.Optimizer):
                  release_bucket_mb: float | None = None, **hyper: Any):
         self.impl = dispatch.check_impl(impl)
         self.flat = bool(flat)
-        self.state_bits = storage.state_bits_of(state_bits, state_format)  # param groups carry state_bits
+        self.state_bits = storage.state_bits_of(state_bits, state_format)  # a group may set its own
         self.min_quant_size = storage.check_min_quant_size(min_quant_size)
         self.rounding = storage.check_rounding(rounding)
         if self.flat and self.rounding != "nearest":

@@ -1,5 +1,6 @@
 """What a model's and an optimizer's own checkpointing writes is the same with fastoptim at every setting:
-safetensors, torch.save/torch.load(weights_only=True), pickle and deepcopy; and torch.compile of a step function."""
+safetensors, torch.save/torch.load(weights_only=True), pickle and deepcopy, torch.distributed.checkpoint (DCP);
+and torch.compile of a step function."""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ import pickle
 import pytest
 import torch
 
-from .kinds import KIND_NAMES, KINDS, TinyLM, tokens
+import fastoptim
+
+from .kinds import KIND_NAMES, KINDS, LR, TinyLM, tokens
 
 BATCHES = tokens(24).split(4)
 
@@ -56,6 +59,58 @@ def test_safetensors_round_trip(kind, tmp_path, device):
     train_steps(model, opt, range(3, 6))
     train_steps(loaded, resumed_opt, range(3, 6))
     assert_same(model, loaded)
+
+
+def _dcp_resumed(bits, flatten, saved_model, directory):
+    """A fresh model and optimizer resumed from ``directory`` through DCP, as torchtitan loads (one process)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
+                                                         set_optimizer_state_dict)
+    options = StateDictOptions(flatten_optimizer_state_dict=flatten)
+    model = TinyLM()
+    model.load_state_dict(saved_model)
+    opt = fastoptim.AdamW(model.parameters(), lr=LR, weight_decay=0.01, state_bits=bits)
+    loaded = {"optim": get_optimizer_state_dict(model, opt, options=options)}  # DCP makes its state (lr 0 step)
+    dcp.load(loaded, checkpoint_id=directory)
+    set_optimizer_state_dict(model, opt, loaded["optim"], options=options)
+    return model, opt
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # (one process, no process group: as meant)
+@pytest.mark.parametrize("bits", [32, 16, 8, 4])
+def test_dcp_save_load_continues_bit_identically(bits, tmp_path):
+    """get_optimizer_state_dict -> dcp.save -> dcp.load -> set_optimizer_state_dict, with the optimizer state
+    flattened (torchtitan's options: every entry must be a tensor, int, float or dict) and not: both resume
+    exactly as the optimizer that never went through a checkpoint."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    torch.manual_seed(0)
+    model = TinyLM()
+    opt = fastoptim.AdamW(model.parameters(), lr=LR, weight_decay=0.01, state_bits=bits)
+    train_steps(model, opt, range(3))
+    if bits in (8, 4):
+        assert any(isinstance(s, fastoptim.storage.QuantizedState) for e in opt.state.values() for s in e.values())
+    saved_model = {k: v.clone() for k, v in model.state_dict().items()}
+    resumed = {}
+    for flatten in (True, False):
+        options = StateDictOptions(flatten_optimizer_state_dict=flatten)
+        dcp.save({"optim": get_optimizer_state_dict(model, opt, options=options)},
+                 checkpoint_id=tmp_path / str(flatten))
+        resumed[flatten] = _dcp_resumed(bits, flatten, saved_model, tmp_path / str(flatten))
+    train_steps(model, opt, range(3, 6))
+    want = opt.state_dict()
+    for flatten, (resumed_model, resumed_opt) in resumed.items():
+        train_steps(resumed_model, resumed_opt, range(3, 6))
+        assert_same(model, resumed_model)
+        got = resumed_opt.state_dict()
+        assert got["param_groups"] == want["param_groups"]
+        for index, entry in want["state"].items():
+            assert got["state"][index].keys() == entry.keys(), flatten
+            for k, v in entry.items():
+                w = got["state"][index][k]
+                assert (torch.equal(v, w) and v.dtype == w.dtype) if isinstance(v, torch.Tensor) else v == w, k
+    assert_same(*(m for m, _ in resumed.values()))  # flattened and not: the same optimizer
 
 
 @pytest.mark.parametrize("kind", KIND_NAMES)

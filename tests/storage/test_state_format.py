@@ -1,8 +1,10 @@
 """``state_format=``: the state formats by name (``storage.codecs``), with ``state_bits=`` as its alias.
 
-Both spellings make the same optimizer: the same steps, the same state_dict and param groups (which carry
-``state_bits``, as before, so checkpoints and torch.optim interchange do not change). A name that is no format,
+Both spellings make the same optimizer: the same steps, the same state_dict and param groups (``opt.state_bits``
+holds the width, as before, so checkpoints and torch.optim interchange do not change). A name that is no format,
 or two settings that disagree, are refused with an error naming them, and nothing is made."""
+
+import zlib
 
 import pytest
 import torch
@@ -301,6 +303,40 @@ def linear8():
     codecs.unregister(codec)
 
 
+class Tagged(Linear8):
+    """The linear codec under another name and tag (its signed format's; the unsigned one's adds a "u")."""
+
+    def __init__(self, name, tag):
+        super().__init__()
+        self.name, self.own_tag = name, tag
+
+    def tag(self, fmt):
+        return self.own_tag + ("" if fmt.signed else "u")
+
+
+def test_a_checkpoint_names_a_format_by_its_tags_id_and_no_two_formats_share_one(linear8):
+    """``Format.id`` is ``zlib.crc32`` of the tag, whatever else is registered; ``Format.from_id`` finds it back
+    and refuses an id no format has, naming it. A codec with a taken id (the same tag, or another tag of the
+    same crc32) is refused at registration, and nothing is registered."""
+    from fastoptim.storage import Format
+    for codec in codecs.CODECS.values():
+        for fmt in codec.formats():
+            assert fmt.id == zlib.crc32(codec.tag(fmt).encode()) and Format.from_id(fmt.id) == fmt
+    assert linear8.format(signed=True).id == zlib.crc32(b"linear8s-test/256")
+    with pytest.raises(ValueError, match="unknown quantized state format id 7 .*dynamic8s/256"):
+        Format.from_id(7)
+    plumless = codecs.register(Tagged("plumless-test", "plumless"))
+    try:
+        for clash, taken in (("buckeroo", "plumless"), ("dynamic8s/256", "dynamic8s/256")):  # crc32 1306201125
+            codec = Tagged(f"{clash}-test", clash)
+            with pytest.raises(ValueError, match=f"tag '{clash}' has the id {zlib.crc32(clash.encode())} of "
+                                                 f".*'s tag '{taken}'"):
+                codecs.register(codec)
+            assert codec.name not in codecs.CODECS and not hasattr(codec, "key")
+    finally:
+        codecs.unregister(plumless)
+
+
 LINEAR_SHAPES = [(48, 80), (16, 300), (80,)]  # 300: a ragged last block per row; (80,): 1-D, kept plain
 
 
@@ -360,7 +396,7 @@ def test_a_quantized_codec_registered_alone_runs_in_the_cpu_kernel_and_through_a
             apart = (got.codes.int() - exp.codes.int()).abs()
             assert int(apart.max()) <= 1 and int((apart != 0).sum()) <= max(1, apart.numel() // 100)
     saved = ref.state_dict()
-    assert saved["state"][0]["exp_avg.format"] == "linear8s-test/256 [48, 80]"
+    assert saved["state"][0]["exp_avg.format"] == zlib.crc32(b"linear8s-test/256")
     fresh = fastoptim.AdamW(want, lr=1e-2, weight_decay=0.1, amsgrad=True, state_format=linear8.name,
                             min_quant_size=0)
     fresh.load_state_dict(saved)

@@ -1,10 +1,12 @@
 """state_dict interchange with torch.optim, and bit-identical save -> load -> continue within fastoptim."""
 
+import copy
 import io
 
 import pytest
 import torch
 
+import fastoptim
 from conftest import CASES, assert_params_close, clone_params, make_params, set_grads, two_groups
 from fastoptim.levels import LEVELS
 from fastoptim.registry import OPTIMIZERS
@@ -124,3 +126,68 @@ def test_sgd_state_has_no_step_and_first_step_semantics_survive_reload():
         opt2.step()
         ref.step()
     assert_params_close(r, q)
+
+
+# --- low-bit checkpoints: the layout saved before format ids, and errors that say how torch.optim takes one -------
+
+def _low_bit(bits, steps=3):
+    g = torch.Generator().manual_seed(7)
+    params = [torch.nn.Parameter(torch.randn(s, generator=g)) for s in ((48, 80), (80,), (16, 300))]
+    opt = fastoptim.AdamW(params, lr=1e-2, weight_decay=0.1, state_bits=bits, min_quant_size=0)
+    _run(opt, params, steps)
+    return opt, params
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_a_checkpoint_with_the_string_format_entry_loads_and_continues_bit_identically(bits):
+    """Checkpoints saved before format ids hold ``name.format`` as "tag [shape]": they still load, and the
+    optimizer continues exactly as the one that saved them."""
+    straight, straight_p = _low_bit(bits)
+    sd = straight.state_dict()
+    for index, p in enumerate(straight_p):  # the old layout, written out from the optimizer's own states
+        entry = {k: v for k, v in sd["state"][index].items() if not k.endswith((".codes", ".absmax", ".format"))}
+        for name, state in straight.state[p].items():
+            if isinstance(state, fastoptim.storage.QuantizedState):
+                entry.update({f"{name}.codes": state.codes.clone(), f"{name}.absmax": state.absmax.clone(),
+                              f"{name}.format": f"{state.fmt.tag} {list(p.shape)}"})
+        sd["state"][index] = entry
+    assert sd["state"][0]["exp_avg.format"] == ("dynamic8s/256 [48, 80]" if bits == 8 else "dynamic4s/128 [48, 80]")
+    resumed_p = [torch.nn.Parameter(p.detach().clone()) for p in straight_p]
+    resumed = fastoptim.AdamW(resumed_p, lr=1e-2, weight_decay=0.1, state_bits=bits, min_quant_size=0)
+    resumed.load_state_dict(_roundtrip(sd))
+    assert resumed.state_dict()["state"][0]["exp_avg.format"] == straight.state[straight_p[0]]["exp_avg"].fmt.id
+    _run(straight, straight_p, 4, start=4)
+    _run(resumed, resumed_p, 4, start=4)
+    for a, b in zip(straight_p, resumed_p):
+        assert torch.equal(a, b)
+    want, got = straight.state_dict()["state"], resumed.state_dict()["state"]
+    for index, entry in want.items():
+        assert got[index].keys() == entry.keys()
+        for k, v in entry.items():
+            assert torch.equal(v, got[index][k]) and v.dtype == got[index][k].dtype if isinstance(v, torch.Tensor) \
+                else v == got[index][k], k
+
+
+def test_errors_about_a_low_bit_checkpoints_entries_say_how_torch_optim_takes_one():
+    opt, params = _low_bit(8, steps=1)
+    good = opt.state_dict()
+    fmt = good["state"][0]["exp_avg.format"]
+    cases = [("exp_avg.format", 12345, r"unknown quantized state format id 12345 .*2028130850 \(dynamic8s/256\)"),
+             ("exp_avg.format", float(fmt), "its format entry must be an int .*got float"),
+             ("exp_avg.codes", torch.zeros(48, 79, dtype=torch.uint8),
+              r"codes must be a uint8 tensor of shape \(48, 80\) for a param of shape \(48, 80\) "
+              r"\(dynamic8s/256\), got uint8 \(48, 79\)"),
+             ("exp_avg.format", None, r"state 'exp_avg.codes' .*\(no exp_avg.format entry says its format")]
+    for key, value, why in cases:
+        bad = copy.deepcopy(good)
+        if value is None:
+            del bad["state"][0][key]
+        else:
+            bad["state"][0][key] = value
+        with pytest.raises(ValueError, match=why) as e:
+            opt.load_state_dict(bad)
+        assert "opt.torch_state_dict() gives one that torch.optim loads" in str(e.value), key
+    torch_sd = opt.torch_state_dict()  # what torch.optim takes instead: it loads and steps
+    ref = torch.optim.AdamW([torch.nn.Parameter(p.detach().clone()) for p in params], lr=1e-2, weight_decay=0.1)
+    ref.load_state_dict(torch_sd)
+    _run(ref, ref.param_groups[0]["params"], 1, start=2)

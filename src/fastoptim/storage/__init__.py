@@ -36,7 +36,7 @@ MIN_QUANT_SIZE = 4096
 
 def check_state_bits(value: Any, where: str = "state_bits") -> int | str:
     """A width (``STATE_BITS``), or the name of a codec registered beside its width's own (``codecs.register``:
-    what groups carry for it)."""
+    what ``state_bits`` holds for it)."""
     if isinstance(value, str) and value in codecs.keys():
         return value
     if isinstance(value, bool) or value not in STATE_BITS:
@@ -46,9 +46,9 @@ def check_state_bits(value: Any, where: str = "state_bits") -> int | str:
 
 def state_bits_of(state_bits: Any = None, state_format: Any = None) -> int | str:
     """The ``state_bits`` that a constructor's ``state_bits=``/``state_format=`` name (32 when neither is given).
-    ``state_format`` is a codec's name or alias (``storage.codecs``); ``state_bits`` stays what param groups and
-    checkpoints carry, so both spellings give the same optimizer. Both given and naming different formats: a
-    ValueError naming both."""
+    ``state_format`` is a codec's name or alias (``storage.codecs``); ``state_bits`` stays what ``opt.state_bits``
+    (and a group that sets its own) holds, so both spellings give the same optimizer. Both given and naming
+    different formats: a ValueError naming both."""
     if state_format is None:
         return 32 if state_bits is None else check_state_bits(state_bits)
     bits = codecs.lookup(state_format).key  # its width, for the built-in formats
@@ -332,13 +332,16 @@ def round_into(p: Tensor, new: Tensor, state: Tensor, rounding: str, param: Tens
 # --- checkpoints -------------------------------------------------------------------------------------------
 
 CODES, ABSMAX, FORMAT = ".codes", ".absmax", ".format"
+TO_TORCH = ("a low-bit checkpoint keeps quantized states as name.codes/.absmax/.format entries, which only "
+            "fastoptim loads; opt.torch_state_dict() gives one that torch.optim loads")
 
 
 def export_entry(entry: dict) -> dict:
-    """A param's state for ``state_dict()``: a quantized state becomes plain tensors, ``name.codes`` (uint8),
-    ``name.absmax`` (fp32) and ``name.format`` (the map, block and shape: "dynamic8s/256 [48, 80]"). No entry
-    keeps the name itself, so torch.optim fails loudly on such a checkpoint instead of reading codes as
-    moments (``torch_state_dict()`` is the one to give it); everything else as it is."""
+    """A param's state for ``state_dict()``: a quantized state becomes ``name.codes`` (uint8), ``name.absmax``
+    (fp32) and ``name.format``, an int naming the map and block (``Format.id``: state-dict walkers such as DCP's
+    flattening take ints, not strings). No entry keeps the name itself, so torch.optim fails loudly on such a
+    checkpoint instead of reading codes as moments (``torch_state_dict()`` is the one to give it); everything
+    else as it is."""
     out = {}
     for name, value in entry.items():
         if isinstance(value, QuantizedState):
@@ -350,31 +353,55 @@ def export_entry(entry: dict) -> dict:
 
 def split_quantized(entry: dict) -> tuple[dict, dict]:
     """A saved param state split into what torch.optim's loader may cast (plain tensors) and the quantized
-    parts (codes, absmax, format), which it must not (it would cast the codes to the param's dtype)."""
+    parts (codes, absmax, format), which it must not (it would cast the codes to the param's dtype). The parts
+    are found as ``export_entry`` writes them, or nested under the state's name (``{"codes", "absmax",
+    "format"}``: DCP's ``set_optimizer_state_dict`` unflattens dotted names so)."""
     quantized = {name[:-len(FORMAT)] for name in entry if isinstance(name, str) and name.endswith(FORMAT)}
     taken = {name + suffix for name in quantized for suffix in (CODES, ABSMAX, FORMAT)}
     plain = {k: v for k, v in entry.items() if k not in taken}
     parts = {name: (entry.get(name + CODES), entry.get(name + ABSMAX), entry[name + FORMAT]) for name in quantized}
+    for name, value in list(plain.items()):
+        if isinstance(value, dict) and FORMAT[1:] in value:
+            nested = plain.pop(name)
+            parts[name] = (nested.get(CODES[1:]), nested.get(ABSMAX[1:]), nested[FORMAT[1:]])
     return plain, parts
 
 
 def import_quantized(name: str, parts: tuple, p: Tensor) -> QuantizedState:
-    """A saved quantized state for ``p``, checked (format, shape, dtypes) before anything changes."""
+    """A saved quantized state for ``p``, checked (format, dtypes, shapes) before anything changes. The format
+    is a ``Format.id``, or the string checkpoints held before ("dynamic8s/256 [48, 80]": the tag, then the
+    param's shape, checked too). A ValueError says what does not fit, and how torch.optim takes such a
+    checkpoint (``TO_TORCH``)."""
     codes, absmax, described = parts
-    tag, _, shape = str(described).partition(" ")
-    fmt = Format.from_tag(tag)
-    if shape != str(list(p.shape)):
-        raise ValueError(f"state {name!r} was saved for a param of shape {shape}, this param has shape "
-                         f"{list(p.shape)}")
+    try:
+        fmt = _saved_format(name, described, p)
+    except ValueError as e:
+        raise ValueError(f"{e} ({TO_TORCH})") from None
     codec = codecs.of(fmt)
     kept = []
     for part, value, (dtype, want) in zip(("codes", "absmax"), (codes, absmax), codec.parts(p.shape, fmt)):
         if not isinstance(value, Tensor) or value.dtype != dtype or tuple(value.shape) != want:
             dtype_name = str(dtype).removeprefix("torch.")
-            raise ValueError(f"state {name!r}: {part} must be a {dtype_name} tensor of shape {want}"
-                             + (f" for a param of shape {tuple(p.shape)}" if part == "codes" else ""))
+            got = f"{str(value.dtype).removeprefix('torch.')} {tuple(value.shape)}" if isinstance(value, Tensor) \
+                else type(value).__name__
+            raise ValueError(f"state {name!r}: {part} must be a {dtype_name} tensor of shape {want} for a param "
+                             f"of shape {tuple(p.shape)} ({fmt.tag}), got {got} ({TO_TORCH})")
         kept.append(value.to(p.device, copy=True))
     return codec.assemble(kept, fmt, p.shape)
+
+
+def _saved_format(name: str, described: Any, p: Tensor) -> Format:
+    if isinstance(described, int) and not isinstance(described, bool):
+        return Format.from_id(described)
+    if isinstance(described, str):  # the form saved before ids: "tag [shape]"
+        tag, _, shape = described.partition(" ")
+        fmt = Format.from_tag(tag)
+        if shape != str(list(p.shape)):
+            raise ValueError(f"state {name!r} was saved for a param of shape {shape}, this param has shape "
+                             f"{list(p.shape)}")
+        return fmt
+    raise ValueError(f"state {name!r}: its format entry must be an int (a format's id), got "
+                     f"{type(described).__name__} {described!r}")
 
 
 def torch_value(value: Any, p: Tensor) -> Any:

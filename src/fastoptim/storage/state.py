@@ -78,11 +78,20 @@ class Format:
         """What a checkpoint records: the map and block size (the codes mean nothing without them)."""
         return registry.of(self).tag(self)
 
+    @property
+    def id(self) -> int:
+        """What a checkpoint's ``name.format`` entry holds: an int fixed by the tag (``registry.tag_id``)."""
+        return registry.tag_id(self.tag)
+
     @staticmethod
     def from_tag(tag: str) -> "Format":
         """The quantized format whose ``tag`` is ``tag`` (ValueError where none is)."""
         return registry.from_tag(tag)
 
+    @staticmethod
+    def from_id(number: int) -> "Format":
+        """The quantized format whose ``id`` is ``number`` (ValueError naming it where none is)."""
+        return registry.from_id(number)
 
 
 PLAIN = Format(32)

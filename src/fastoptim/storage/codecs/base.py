@@ -109,8 +109,8 @@ class Codec:
         return f"bits{fmt.bits}" if fmt.codec is None else fmt.codec
 
     def formats(self) -> list[Format]:
-        """The formats whose tag a checkpoint may hold (``codecs.from_tag``): those of states kept as several
-        tensors, which ``state_dict()`` writes with their tag."""
+        """The formats a checkpoint may name (``codecs.from_id``, by their tag's id): those of states kept as
+        several tensors, which ``state_dict()`` writes with that id."""
         return []
 
     def qmap(self, fmt: Format) -> Any:

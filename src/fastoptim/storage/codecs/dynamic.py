@@ -4,7 +4,7 @@ Codes (uint8; at 4 bits two a byte along the row) through a dynamic map, times o
 (``quant``: 256 elements at 8 bits, 128 at 4), held in a ``QuantizedState``. Params under 2 dims or under
 ``min_quant_size`` elements keep plain state. The map is unsigned for states that are never negative (the rule's
 ``unsigned_states``), signed otherwise. A checkpoint holds ``name.codes``, ``name.absmax`` and ``name.format`` (the
-tag: the map and block, "dynamic8s/256", then the shape).
+id of the tag, ``Format.id``; the tag names the map and block: "dynamic8s/256").
 
 Kernel hooks: the C++ codec (``native/codec.hpp``: decode through the map, encode to the exact nearest code with
 ``quant.Encoder``'s constants; at 8 bits with AVX-512 cell tables, ``cell_tables``) and the Triton lines."""
@@ -114,8 +114,7 @@ class Dynamic(Codec):
 
     def entries(self, name: str, value: QuantizedState) -> dict:
         # no entry keeps the name itself: torch.optim fails loudly on such a checkpoint instead of reading codes
-        return {name + ".codes": value.codes, name + ".absmax": value.absmax,
-                name + ".format": f"{self.tag(value.fmt)} {list(value.shape)}"}
+        return {name + ".codes": value.codes, name + ".absmax": value.absmax, name + ".format": value.fmt.id}
 
     # --- kernel hooks ------------------------------------------------------------------------------------------
 
