@@ -16,6 +16,7 @@ import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+from fastoptim import storage  # noqa: E402
 from fastoptim.levels import LEVELS  # noqa: E402
 from fastoptim.registry import OPTIMIZERS  # noqa: E402
 from sampling import (cover, pytest_addoption, pytest_collection_modifyitems,  # noqa: E402, F401 (hooks)
@@ -42,6 +43,13 @@ NAME_FLAT = [(name, flat) for name in OPTIMIZERS for flat in (False, True) if no
 # (``-k cuda`` picks those out; a sampled matrix is sampled on each device, ``--full`` runs every case).
 # FASTOPTIM_TEST_DEVICES=cuda (comma-separated) narrows the list.
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+# every stored format's ``state_bits`` (its width, or a named codec's name): 16, 8, 4, then "fp8_e4m3" ...
+STORED = tuple(key for key in storage.codecs.keys() if key != 32)
+
+
+def quantized(bits) -> bool:
+    """Whether ``state_bits=bits`` keeps states as codes and scales (``QuantizedState``)."""
+    return storage.codecs.for_bits(bits).quantized
 if os.environ.get("FASTOPTIM_TEST_DEVICES"):
     DEVICES = [d for d in os.environ["FASTOPTIM_TEST_DEVICES"].split(",") if d in DEVICES]
 

@@ -19,6 +19,7 @@ import sys
 import pytest
 import torch
 from filelock import FileLock  # a dependency of torch
+from conftest import STORED
 
 HERE = os.path.dirname(__file__)
 
@@ -89,7 +90,7 @@ def test_zero1_matches_one_process(dist_results):
     assert dist_results["zero1"] < 1e-6
 
 
-@pytest.mark.parametrize("bits", [16, 8, 4])
+@pytest.mark.parametrize("bits", STORED)
 @pytest.mark.parametrize("impl", ["loop", "foreach", "fused", COMPILED])
 def test_fsdp2_with_low_bit_state_matches_one_process(dist_results, impl, bits):
     """Codes and absmax are DTensors sharded on dim 0 like their param: bit-identical to one process, except
@@ -98,7 +99,7 @@ def test_fsdp2_with_low_bit_state_matches_one_process(dist_results, impl, bits):
     assert diff < 1e-6 if impl == "compiled" else diff == 0.0, diff
 
 
-@pytest.mark.parametrize("bits", [16, 8, 4])
+@pytest.mark.parametrize("bits", STORED)
 def test_zero1_with_low_bit_state_matches_one_process(dist_results, bits):
     assert dist_results[f"zero1 {bits}-bit"] == 0.0
 

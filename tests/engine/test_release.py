@@ -13,7 +13,7 @@ import weakref
 import pytest
 import torch
 
-from conftest import make_params
+from conftest import STORED, make_params
 from fastoptim import AdamW, SGD
 from fastoptim.engine import release
 from fastoptim.levels import LEVELS, record_paths
@@ -164,7 +164,7 @@ def test_schedulers_and_per_group_hyper_parameters(level):
 
 
 @pytest.mark.sample()
-@pytest.mark.parametrize("bits", [16, 8, 4])
+@pytest.mark.parametrize("bits", STORED)
 @pytest.mark.parametrize("level", LEVELS)
 def test_low_bit_state(level, bits):
     ours, theirs, released, ordinary = _pair("adamw", dict(lr=1e-2), level, state_bits=bits, min_quant_size=0)

@@ -15,8 +15,9 @@ import fastoptim
 from fastoptim import storage
 from fastoptim.levels import record_paths
 from fastoptim.paths.cpu_kernel import kernels as cpu_kernels
+from conftest import STORED, quantized
 
-BITS = (16, 8, 4)
+BITS = STORED
 KW = dict(lr=1e-2, weight_decay=0.1, min_quant_size=0)  # the matrix is quantized at 8/4 bits, the vector never
 
 
@@ -222,7 +223,7 @@ def test_a_walk_over_the_state_leaves_the_optimizer_stepping_as_its_untouched_tw
     _needs(walk)
     (opt, params), (twin, twin_params) = _twins(bits, flat)
     opt, params = walk(opt, params)
-    if bits in (8, 4):
+    if quantized(bits):
         assert isinstance(opt.state[params[0]]["exp_avg"], storage.QuantizedState)
     kernel = cpu_kernels.available() is None
     for step in range(3, 6):

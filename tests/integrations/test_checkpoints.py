@@ -14,6 +14,7 @@ import torch
 import fastoptim
 
 from .kinds import KIND_NAMES, KINDS, LR, TinyLM, tokens
+from conftest import STORED, quantized
 
 BATCHES = tokens(24).split(4)
 
@@ -77,7 +78,7 @@ def _dcp_resumed(bits, flatten, saved_model, directory):
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # (one process, no process group: as meant)
-@pytest.mark.parametrize("bits", [32, 16, 8, 4])
+@pytest.mark.parametrize("bits", (32, *STORED))
 def test_dcp_save_load_continues_bit_identically(bits, tmp_path):
     """get_optimizer_state_dict -> dcp.save -> dcp.load -> set_optimizer_state_dict, with the optimizer state
     flattened (torchtitan's options: every entry must be a tensor, int, float or dict) and not: both resume
@@ -89,7 +90,7 @@ def test_dcp_save_load_continues_bit_identically(bits, tmp_path):
     model = TinyLM()
     opt = fastoptim.AdamW(model.parameters(), lr=LR, weight_decay=0.01, state_bits=bits)
     train_steps(model, opt, range(3))
-    if bits in (8, 4):
+    if quantized(bits):
         assert any(isinstance(s, fastoptim.storage.QuantizedState) for e in opt.state.values() for s in e.values())
     saved_model = {k: v.clone() for k, v in model.state_dict().items()}
     resumed = {}

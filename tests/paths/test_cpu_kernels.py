@@ -21,7 +21,7 @@ from fastoptim import native, storage
 from fastoptim.paths import cpu_kernel as kernel_path
 from fastoptim.levels import record_paths
 from fastoptim.paths.cpu_kernel import kernels as cpu_kernels
-from conftest import ELEMENTWISE_CASES, same_random_grads  # noqa: E402
+from conftest import ELEMENTWISE_CASES, STORED, quantized, same_random_grads  # noqa: E402
 from fastoptim.registry import OPTIMIZERS
 
 # Kernel tests: the elementwise kernels run a rule's ``update``, which staged rules (Muon, Adafactor) do not have:
@@ -99,7 +99,7 @@ CONFIGS = ELEMENTWISE_CASES
 
 
 @pytest.mark.sample(("name", "option"), "bits")
-@pytest.mark.parametrize("bits", (16, 8, 4))
+@pytest.mark.parametrize("bits", STORED)
 @pytest.mark.parametrize("name,option", CONFIGS)
 def test_the_kernel_gives_the_rules_ieee_math_on_the_stored_values_byte_for_byte(name, option, bits, shapes=SHAPES):
     spec = OPTIMIZERS[name]
@@ -109,7 +109,7 @@ def test_the_kernel_gives_the_rules_ieee_math_on_the_stored_values_byte_for_byte
     try:
         opt = spec.cls(params, impl="fused", state_bits=bits, min_quant_size=0, **options)
     except ValueError as e:  # centered RMSprop refuses 8/4 bits by name (tested in test_low_bit)
-        assert bits in (8, 4) and "centered" in str(e)
+        assert quantized(bits) and "centered" in str(e)
         return
     for step in range(4):
         for p in params:
@@ -145,7 +145,7 @@ class _CountingKernel:
 
 
 @pytest.mark.parametrize("team", [True, False], ids=["openmp_team", "own_threads"])
-@pytest.mark.parametrize("bits", (16, 8, 4))
+@pytest.mark.parametrize("bits", STORED)
 def test_enough_blocks_for_every_thread_run_in_chunks_with_the_same_bytes(bits, team, monkeypatch):
     """Enough blocks that two threads take several chunks each (ragged rows between chunks too): on a team of
     the OpenMP runtime torch runs on (its worker threads take the chunks), and on threads of our own."""
@@ -171,7 +171,7 @@ def test_enough_blocks_for_every_thread_run_in_chunks_with_the_same_bytes(bits, 
         assert len(calls) >= 2 * 4, "the steps' blocks were not split into chunks"
 
 
-@pytest.mark.parametrize("bits", (16, 8, 4))
+@pytest.mark.parametrize("bits", STORED)
 def test_clipping_and_grad_scaling_multiply_the_grads_inside_the_kernel(bits):
     g = torch.Generator().manual_seed(3)
     params = [torch.nn.Parameter(torch.randn(s, generator=g)) for s in SHAPES]
@@ -397,18 +397,26 @@ def _codec_kernel(bits):
     """A kernel whose state 0 is signed and state 1 unsigned at ``bits`` (Adam's exp_avg and exp_avg_sq)."""
     from fastoptim.rules.adam import adam_update
 
-    formats = (storage.Format(bits, True), storage.Format(bits, False), None)
+    codec = storage.codecs.for_bits(bits)
+    formats = (codec.format(True), codec.format(False), None)
     return cpu_kernels.kernel(adam_update, (False, True, True, False), formats, 8), formats
 
 
-def _hard_values(qmap, g):
-    """Values whose codes are easy to get wrong: every boundary and its fp32 neighbours, every map value,
-    +-0, tiny and subnormal values, values in every octave of the encoder's range, random ones."""
-    bounds = qmap.boundaries()
+def _hard_values(fmt, g):
+    """Values whose codes are easy to get wrong: every rounding boundary and its fp32 neighbours, every code's
+    value, +-0, tiny and subnormal values, values in every octave of the encoder's range, random ones; as
+    fractions of the block's largest value."""
+    if fmt.codec is None:  # the dynamic maps
+        bounds, table = fmt.qmap.boundaries(), fmt.qmap.table()
+    else:  # a float format's values over its largest, and the midpoints between them
+        number = storage.codecs.of(fmt).minifloat(fmt)
+        table = number.decode(torch.arange(256)) / number.max_value
+        table = table[table.isfinite()].unique()
+        bounds = (table[1:] + table[:-1]) / 2
     near = torch.cat([bounds, torch.nextafter(bounds, torch.tensor(2.0)), torch.nextafter(bounds, torch.tensor(-2.0))])
     octaves = torch.tensor([2.0 ** -e for e in range(0, 40)]) * (1 + torch.rand(40, generator=g))
     special = torch.tensor([0.0, -0.0, 1e-30, -1e-30, 1e-40, -1e-40, 1.0, -1.0])
-    values = torch.cat([near, qmap.table(), special, octaves, -octaves, torch.randn(600, generator=g) * 0.3])
+    values = torch.cat([near, table, special, octaves, -octaves, torch.randn(600, generator=g) * 0.3])
     return values.clamp(-1.0, 1.0)
 
 
@@ -428,32 +436,37 @@ def _blocks(values, block, g):
     return out
 
 
-@pytest.mark.parametrize("bits", (8, 4))
+@pytest.mark.parametrize("bits", [key for key in storage.codecs.keys() if storage.codecs.for_bits(key).quantized])
 def test_the_kernels_codec_gives_the_eager_codecs_codes_and_values(build, bits):
     """Each build's encoder and decoder (the SIMD paths: AVX-512 cell tables and byte permutes, the 4-bit
-    search and the linear map's formula; AVX2 gathers; scalar) on hard values, block by block, against
-    ``quant.quantize`` and ``quant.dequantize``."""
+    search and the linear map's formula; AVX2 gathers; the float formats' integer operations; scalar) on hard
+    values, block by block, against the codec's own span encode and decode (``quant.quantize`` and
+    ``quant.dequantize`` for the dynamic maps)."""
     import ctypes
 
     lib, formats = _codec_kernel(bits)
     assert lib.fo_simd_width() == build
     _, maps = cpu_kernels._map_pointers(formats)
-    g = torch.Generator().manual_seed(bits)
+    g = torch.Generator().manual_seed(7)
     for k, fmt in enumerate(formats[:2]):
-        for x in _blocks(_hard_values(fmt.qmap, g), fmt.block, g):
+        codec, width = storage.codecs.of(fmt), fmt.bits
+        for x in _blocks(_hard_values(fmt, g), fmt.block, g):
             x = x.float().contiguous()
             n = x.numel()
-            codes = torch.zeros((n + 1) // 2 if bits == 4 else n, dtype=torch.uint8)
+            codes = torch.zeros((n + 1) // 2 if width == 4 else n, dtype=torch.uint8)
             absmax = torch.zeros(1)
             lib.fo_codec(maps, k, ctypes.c_void_p(x.data_ptr()), n, ctypes.c_void_p(codes.data_ptr()),
                          ctypes.c_void_p(absmax.data_ptr()), None)
-            want_codes, want_absmax = storage.quant.quantize(x.reshape(1, n), fmt.qmap, fmt.block)
+            want_codes, want_absmax = codec.encode_span(x.reshape(1, n), fmt)
+            if width == 4:
+                want_codes = storage.quant.pack4(want_codes)
             torch.testing.assert_close(absmax, want_absmax.reshape(1), rtol=0, atol=0, equal_nan=True)
             assert torch.equal(codes, want_codes.reshape(-1)), (fmt.tag, n)
             values = torch.zeros(n)
             lib.fo_codec(maps, k, None, n, ctypes.c_void_p(codes.data_ptr()), ctypes.c_void_p(absmax.data_ptr()),
                          ctypes.c_void_p(values.data_ptr()))
-            want = storage.quant.dequantize(codes.reshape(1, -1), absmax.reshape(1, 1), fmt.qmap, fmt.block, (1, n))
+            unpacked = storage.quant.unpack4(codes.reshape(1, -1), n) if width == 4 else codes.reshape(1, n)
+            want = codec.decode_span(unpacked, absmax.reshape(1, 1), fmt)
             torch.testing.assert_close(values, want.reshape(-1), rtol=0, atol=0, equal_nan=True)
 
 
@@ -475,7 +488,7 @@ def test_every_code_decodes_to_its_map_value_times_absmax(build):
             assert torch.equal(values, fmt.qmap.table()[index] * absmax), fmt.tag
 
 
-@pytest.mark.parametrize("bits", (16, 8, 4))
+@pytest.mark.parametrize("bits", STORED)
 def test_each_build_steps_byte_for_byte_like_the_oracle(build, bits):
     """The whole step (not only the codec) in each build, for two rules whose states use both maps."""
     for name in ("adamw", "lion"):
@@ -531,7 +544,7 @@ def test_the_avx512_build_compiles_on_any_machine_with_its_byte_permutes(bits, t
     bits: VBMI two-table permutes; 4 bits: the one-register permute of the map)."""
     from fastoptim.rules.adam import adam_update
 
-    formats = (storage.Format(bits, True), storage.Format(bits, False), None)
+    formats = (storage.codecs.for_bits(bits).format(True), storage.codecs.for_bits(bits).format(False), None)
     source = tmp_path / "kernel.cpp"
     source.write_text(cpu_kernels.kernel_source(adam_update, (False, True, True, False), formats, 8))
     flags = [f for f in cpu_kernels.CXXFLAGS if f not in ("-shared", "-fPIC")]

@@ -15,16 +15,16 @@ import pytest
 import torch
 
 import fastoptim
-from conftest import DEVICES, FLAT, assert_params_close, shapes_for
+from conftest import DEVICES, FLAT, STORED, assert_params_close, quantized, shapes_for
 from fastoptim import storage
 from fastoptim.levels import LEVELS, record_paths
 from fastoptim.registry import OPTIMIZERS
 from fastoptim.rules.base import Elementwise
 from stored_state import FLIPPED_PARAM_ATOL, stored_state_flips
 
-BITS = (16, 8, 4)
-STEP_ERROR = {16: 0.004, 8: 0.025, 4: 0.5}
-STEP_ERROR_LION = {16: 0.08, 8: 0.18, 4: 0.6}
+BITS = STORED
+STEP_ERROR = {16: 0.004, 8: 0.025, 4: 0.5, "fp8_e4m3": 0.055}
+STEP_ERROR_LION = {16: 0.08, 8: 0.18, 4: 0.6, "fp8_e4m3": 0.25}
 SHAPES = [(48, 80), (80,), (3, 5)]  # quantized at min_quant_size=0: the matrices; 1-D stays 32-bit
 
 
@@ -79,7 +79,7 @@ def test_per_step_error_against_32_bit_with_state_resynced(name, bits, device):
                                for a, b in zip(low_p, full_p)])
         worst = max(worst, (error.norm() / update.norm()).item())
     limit = (STEP_ERROR_LION if name == "lion" else STEP_ERROR)[bits]
-    if name == "adafactor" and bits in (8, 4):
+    if name == "adafactor" and quantized(bits):
         # Adafactor's row and column factors stay fp32 (they are tiny) and 1-D params stay 32-bit at 8/4 bits:
         # nothing here is quantized, so the step is the 32-bit one exactly
         assert worst == 0, worst
@@ -118,7 +118,7 @@ def test_every_level_steps_low_bit_state_as_the_loop_level_does(name, level, bit
         assert paths and own in paths if level in ("loop", "foreach", "compiled") else paths
         assert_params_close(ours_p, base_p, atol=FLIPPED_PARAM_ATOL if flipped else 1e-6)
         flipped += stored_state_flips(ours, base, ours_p, base_p, step)
-    if bits in (8, 4) and spec.params != "matrices" and name != "adafactor":
+    if quantized(bits) and spec.params != "matrices" and name != "adafactor":
         # the states compared above were stored at fewer bits (Adafactor's factors stay fp32)
         assert any(isinstance(v, storage.QuantizedState) for s in base.state.values() for v in s.values())
 
@@ -150,7 +150,7 @@ def test_save_load_continue_is_bit_identical_and_the_state_dict_round_trips_byte
         for k, v in entry.items():
             w = again["state"][index][k]
             assert (torch.equal(v, w) and v.dtype == w.dtype) if isinstance(v, torch.Tensor) else v == w, k
-    if bits in (8, 4) and name != "adafactor":  # (Adafactor quantizes nothing here: fp32 factors, 1-D 32-bit)
+    if quantized(bits) and name != "adafactor":  # (Adafactor quantizes nothing here: fp32 factors, 1-D 32-bit)
         assert any(k.endswith(".format") for e in saved["state"].values() for k in e)
         assert any(v.dtype == torch.uint8 for e in saved["state"].values() for v in e.values()
                    if isinstance(v, torch.Tensor))
@@ -177,10 +177,10 @@ def test_torch_checkpoints_load_into_low_bit_and_export_back_to_torch(bits, devi
             a.copy_(b)
     _grads(g, torch_p, ours_p)
     ref.step()
-    ours.step()  # the fp32 states were converted to the format at this step
+    ours.step()  # (the fp32 states were converted to the format as they loaded)
     state = ours.state[ours_p[0]]["exp_avg"]
     assert (state.dtype == torch.bfloat16) if bits == 16 else isinstance(state, storage.QuantizedState)
-    assert_params_close(ours_p, torch_p, atol={16: 2e-4, 8: 1e-3, 4: 1e-2}[bits], rtol=0)  # lr is 1e-2
+    assert_params_close(ours_p, torch_p, atol={16: 2e-4, 8: 1e-3, 4: 1e-2, "fp8_e4m3": 1e-2}[bits], rtol=0)  # lr is 1e-2
     # exported: torch.optim loads it and holds the dequantized values
     exported = ours.torch_state_dict()
     back = torch.optim.AdamW([torch.nn.Parameter(p.detach().clone()) for p in ours_p], lr=1e-2)
@@ -404,7 +404,7 @@ def test_flat_mode_steps_low_bit_state_as_without_it(name, bits):
     are views of one buffer; the plain (or 16-bit) states of the rest are views of one buffer that holds only
     those params; quantized states are views of one codes and one absmax buffer per state."""
     opts = dict(_option(name))
-    if bits in (8, 4) and OPTIMIZERS[name].cls.rule.refuses_quantized_state({**OPTIMIZERS[name].cls.rule.defaults,
+    if quantized(bits) and OPTIMIZERS[name].cls.rule.refuses_quantized_state({**OPTIMIZERS[name].cls.rule.defaults,
                                                                              **opts}):
         opts = dict(OPTIMIZERS[name].option_sets[0])
     kw = dict(impl="fused", state_bits=bits, min_quant_size=1000, **opts)
@@ -412,7 +412,7 @@ def test_flat_mode_steps_low_bit_state_as_without_it(name, bits):
     ref_p = [torch.nn.Parameter(p.detach().clone()) for p in flat_p]
     flat = OPTIMIZERS[name].cls(flat_p, flat=True, **kw)
     ref = OPTIMIZERS[name].cls(ref_p, **kw)
-    quantized = {1, 3} if bits in (8, 4) else set()
+    quantized_params = {1, 3} if quantized(bits) else set()
     for step in range(4):
         _grads(g, flat_p, ref_p)
         with record_paths() as paths:
@@ -421,11 +421,11 @@ def test_flat_mode_steps_low_bit_state_as_without_it(name, bits):
         rule = OPTIMIZERS[name].cls.rule
         if rule.stages:  # quantized and plain states in one bucket through fp32 temporaries: one call a stage
             assert len(paths) == len(rule.stages) and paths.count("stage_batched") == 1, paths
-        elif bits in (8, 4):  # one kernel call over the quantized params, one pass over the plain tail
+        elif quantized(bits):  # one kernel call over the quantized params, one pass over the plain tail
             assert sorted(paths) == sorted(["cpu_kernel", OPTIMIZERS[name].cls.rule.torch_fused and "torch_fused"
                                             or paths[-1]]) and len(paths) == 2, paths
         for i, (a, b) in enumerate(zip(flat_p, ref_p)):
-            assert torch.equal(a, b) if i in quantized else torch.allclose(a, b, atol=1e-6, rtol=1e-5), (i, step)
+            assert torch.equal(a, b) if i in quantized_params else torch.allclose(a, b, atol=1e-6, rtol=1e-5), (i, step)
         flat_sd, ref_sd = flat.state_dict()["state"], ref.state_dict()["state"]
         assert flat_sd.keys() == ref_sd.keys()
         for a, b in ((flat_sd[i], ref_sd[i]) for i in ref_sd):
@@ -441,12 +441,12 @@ def test_flat_mode_steps_low_bit_state_as_without_it(name, bits):
     assert all(p.data_ptr() == v.data_ptr() and p.grad.data_ptr() == w.data_ptr()
                for p, v, w in zip(fb.params, fb.param_views, fb.grad_views))
     # (each param starts 16 bytes aligned in the buffers: fp32 params are laid out 4 elements at a time)
-    tail = sum(-(-p.numel() // 4) * 4 for i, p in enumerate(flat_p) if i not in quantized)
+    tail = sum(-(-p.numel() // 4) * 4 for i, p in enumerate(flat_p) if i not in quantized_params)
     for i, p in enumerate(flat_p):
         for k, v in flat.state[p].items():
             if k == "step" or k in flat.rule.host_states:  # (host numbers)
                 continue
-            if i in quantized:
+            if i in quantized_params:
                 assert isinstance(v, storage.QuantizedState)
                 for view, buffer in zip((v.codes, v.absmax), fb.pool(k)):
                     assert view.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()

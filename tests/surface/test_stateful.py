@@ -32,7 +32,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule, \
     run_state_machine_as_test
 
-from conftest import DEVICES, ELEMENTWISE, FLAT, assert_state_close, shapes_for
+from conftest import DEVICES, ELEMENTWISE, FLAT, STORED, assert_state_close, quantized, shapes_for
 from fastoptim import storage
 from fastoptim.levels import LEVELS, record_paths
 from fastoptim.registry import OPTIMIZERS
@@ -86,7 +86,7 @@ class UserProgram(RuleBasedStateMachine):
         low = {}
         if self.state_bits != 32:  # every matrix is quantized (flat mode: kept apart from the flat buffers)
             low = dict(state_bits=self.state_bits, min_quant_size=0)
-            if self.state_bits in (8, 4) and spec.cls.rule.refuses_quantized_state({**spec.cls.rule.defaults,
+            if quantized(self.state_bits) and spec.cls.rule.refuses_quantized_state({**spec.cls.rule.defaults,
                                                                                     **self.opts}):
                 self.opts = dict(spec.option_sets[0])  # (centered RMSprop: refused by name, tested apart)
         self.flat, self.low = flat, low
@@ -445,7 +445,7 @@ def test_user_programs_match_torch_on_the_triton_kernel(monkeypatch):
 
 @pytest.mark.sample("level", "bits")
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("bits", [16, 8, 4])
+@pytest.mark.parametrize("bits", STORED)
 @pytest.mark.parametrize("level", LEVELS)
 def test_user_programs_with_low_bit_state_match_torch_stored_alike(level, bits, device):
     machine = type(f"UserProgram_{level}_{bits}bit", (UserProgram,), {"level": level, "state_bits": bits,
@@ -465,7 +465,7 @@ def test_user_programs_with_gradient_release_match_torch(level, device):
 
 @pytest.mark.sample("level", "bits")
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("bits", [16, 8, 4])
+@pytest.mark.parametrize("bits", STORED)
 @pytest.mark.parametrize("level", LEVELS)
 def test_user_programs_with_gradient_release_and_low_bit_state_match_torch_stored_alike(level, bits, device):
     machine = type(f"UserProgram_{level}_{bits}bit_release", (UserProgram,), {
@@ -473,7 +473,7 @@ def test_user_programs_with_gradient_release_and_low_bit_state_match_torch_store
     _run(machine, max(RELEASE_EXAMPLES // 2, 5))
 
 
-@pytest.mark.parametrize("bits", [16, 8, 4])
+@pytest.mark.parametrize("bits", STORED)
 def test_user_programs_with_low_bit_state_on_the_triton_kernel(monkeypatch, bits):
     """The Triton kernel that loads and stores 16/8/4-bit state in registers (Triton's interpreter on CPU
     tensors), under the same user programs: checkpoints, resets, added groups, GradScaler. Steps where only

@@ -3,6 +3,7 @@
 // back. A template: paths/cpu_kernel/kernels.kernel_source fills each $${name} with the pieces of one rule, its FLAGS and
 // state formats (the update as C++ statements, and per state its load, store and codec).
 #include "codec.hpp"
+#include "minifloat.hpp"
 
 // a tensor's row in the table: these columns, then each active state's addresses (kernels._column_names)
 constexpr int64_t FIRST_BLOCK = 0, ROWS = 1, LENGTH = 2, PARAM = 3, GRAD = 4;

@@ -55,9 +55,9 @@ TILE_ELEMENTS = 2048  # elements per tile: 16 per thread at 4 warps, one 128-bit
 CHUNK_TILES = 8      # tiles per program
 
 
-def block_of(bits: int) -> int:
+def block_of(bits: int | str) -> int:
     """Elements per work block of the format ``state_bits=bits`` names (``codec_block`` of its codec)."""
-    return codec_block((Format(bits),))
+    return codec_block((codecs.for_bits(bits).format(),))
 
 
 def codec_block(formats: Sequence[Format | None]) -> int:

@@ -328,19 +328,11 @@ def dequantize(codes: Tensor, absmax: Tensor, qmap: QuantMap, block: int, shape,
     return out
 
 
-def constant(value: float, qmap: QuantMap, block: int) -> tuple[int, float]:
-    """The code and absmax of every element of a state that is ``value`` throughout (each block's values are
-    all ``value``, so each block quantizes as one element does)."""
-    codes, absmax = encode_span(torch.tensor([[value]], dtype=torch.float32), qmap, block)
-    return int(codes), float(absmax)
-
-
-def fill(codes: Tensor, absmax: Tensor, shape, qmap: QuantMap, block: int, value: float) -> None:
-    """Codes and absmax of ``value`` everywhere, written directly (as ``quantize`` of a full tensor writes them,
-    a 4-bit row's pad nibble 0)."""
-    code, scale = constant(value, qmap, block)
+def fill(codes: Tensor, absmax: Tensor, shape, bits: int, code: int, scale: float) -> None:
+    """Every element's code ``code`` and every block's absmax ``scale`` (a state of one value throughout), laid
+    out as ``quantize`` lays out a full tensor (a 4-bit row's pad nibble 0)."""
     absmax.fill_(scale)
-    if qmap.bits == 8:
+    if bits == 8:
         codes.fill_(code)
         return
     codes.fill_(code | code << 4)

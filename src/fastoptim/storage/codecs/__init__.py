@@ -33,7 +33,8 @@ from ..registry import (CODECS, for_bits, from_id, from_tag, keys, lookup, names
 from .base import Codec, CppPieces  # noqa: F401
 from .bf16 import BF16_CODEC
 from .dynamic import DYNAMIC4, DYNAMIC8
+from .fp8 import FP8_E4M3
 from .plain import PLAIN_CODEC
 
-for _codec in (PLAIN_CODEC, BF16_CODEC, DYNAMIC8, DYNAMIC4):  # the formats, in the order error messages list them
+for _codec in (PLAIN_CODEC, BF16_CODEC, DYNAMIC8, DYNAMIC4, FP8_E4M3):  # the formats, in the order error messages list them
     register(_codec)

@@ -18,118 +18,31 @@ from torch import Tensor
 
 from ... import native
 from .. import quant
-from ..state import PLAIN, Format, QuantizedState, is_dtensor
-from .base import Codec, CppPieces
+from ..state import Format
+from .base import CppPieces
+from .blockwise import BlockScaled
 
 
-class Dynamic(Codec):
-    quantized = True
-
+class Dynamic(BlockScaled):
     def __init__(self, bits: int, aliases: tuple):
         self.bits, self.name, self.aliases = bits, f"dynamic{bits}", aliases
-
-    def format_for(self, p: Tensor, state: str, min_quant_size: int, unsigned_states: frozenset) -> Format:
-        if p.is_complex() or not p.is_floating_point() or p.dim() < 2 or p.numel() < min_quant_size:
-            return PLAIN
-        return self.format(signed=state not in unsigned_states)
-
-    def make(self, p: Tensor, fmt: Format, value: float) -> QuantizedState:
-        return QuantizedState.full(p, fmt, value)
 
     def qmap(self, fmt: Format) -> quant.QuantMap:
         return quant.map_for(fmt.bits, fmt.signed)
 
-    def block(self, fmt: Format) -> int:
-        return quant.BLOCK[fmt.bits]
-
     def tag(self, fmt: Format) -> str:
         return f"{self.qmap(fmt).name}/{self.block(fmt)}"
 
-    def formats(self) -> list[Format]:
-        return [self.format(signed=True), self.format(signed=False)]
+    def encode_span(self, values: Tensor, fmt: Format) -> tuple[Tensor, Tensor]:
+        return quant.encode_span(values, fmt.qmap, fmt.block)
 
-    def tensor_dtype(self, param_dtype: torch.dtype) -> None:
-        return None  # codes and absmax (``parts``)
-
-    def adopt(self, value: Tensor, p: Tensor, fmt: Format) -> QuantizedState:
-        if not value.is_floating_point():
-            raise ValueError(f"has dtype {value.dtype}; a state must be floating point")
-        return QuantizedState.of(value, fmt, p.device)
-
-    def parts(self, shape: torch.Size, fmt: Format) -> list[tuple[torch.dtype, tuple]]:
-        return [(torch.uint8, quant.codes_shape(shape, fmt.bits)),
-                (torch.float32, quant.absmax_shape(shape, fmt.block))]
-
-    def assemble(self, tensors: list[Tensor], fmt: Format, shape: torch.Size) -> QuantizedState:
-        codes, absmax = tensors
-        return QuantizedState(codes, absmax, fmt, torch.Size(shape))
-
-    def tensors(self, state: QuantizedState) -> list[Tensor]:
-        return [state.codes, state.absmax]
-
-    def span_block(self, fmt: Format) -> int:
-        return fmt.block
-
-    def read_span(self, state: QuantizedState, rows: slice, columns: slice) -> Tensor:
-        codes, absmax = quant.read_span(state.codes, state.absmax, state.shape, state.fmt.bits, state.fmt.block,
-                                        rows, columns)
-        return quant.decode_span(codes, absmax, state.fmt.qmap, state.fmt.block)
-
-    def write_span(self, state: QuantizedState, rows: slice, columns: slice, values: Tensor) -> None:
-        fmt = state.fmt
-        quant.write_span(state.codes, state.absmax, state.shape, fmt.bits, fmt.block, rows, columns,
-                         *quant.encode_span(values, fmt.qmap, fmt.block))
-
-    def fill(self, state: QuantizedState, value: float) -> None:
-        quant.fill(state.codes, state.absmax, state.shape, state.fmt.qmap, state.fmt.block, value)
-
-    def layout_error(self, state: QuantizedState) -> str | None:
-        codes_shape = quant.codes_shape(state.shape, state.fmt.bits)
-        absmax_shape = quant.absmax_shape(state.shape, state.fmt.block)
-        codes, absmax = state.codes, state.absmax
-        if codes.dtype != torch.uint8 or tuple(codes.shape) != codes_shape or absmax.dtype != torch.float32 \
-                or tuple(absmax.shape) != absmax_shape or absmax.device != codes.device:
-            return (f"is a {state.fmt.tag} state of shape {tuple(state.shape)} with codes {codes.dtype} "
-                    f"{tuple(codes.shape)} on {codes.device} and absmax {absmax.dtype} {tuple(absmax.shape)} on "
-                    f"{absmax.device}; it needs uint8 codes {codes_shape} and float32 absmax {absmax_shape} on one "
-                    f"device")
-        return None
-
-    def kernel_format(self, state, p: Tensor) -> Format | None:
-        if not isinstance(state, QuantizedState) or state.fmt != self.format(state.fmt.signed):  # not ours
-            return None
-        if is_dtensor(state.codes) or state.shape != p.shape or state.device != p.device:
-            return None
-        ok = (state.codes.dtype == torch.uint8 and state.codes.is_contiguous() and state.absmax.is_contiguous()
-              and state.absmax.dtype == torch.float32
-              and tuple(state.codes.shape) == quant.codes_shape(p.shape, state.fmt.bits)
-              and tuple(state.absmax.shape) == quant.absmax_shape(p.shape, state.fmt.block))
-        return state.fmt if ok else None
-
-    def load(self, state: QuantizedState, p: Tensor) -> Tensor:
-        return state.dequantize(p.dtype)
-
-    def store(self, state: QuantizedState, values: Tensor) -> None:
-        state.store(values)
-
-    def entries(self, name: str, value: QuantizedState) -> dict:
-        # no entry keeps the name itself: torch.optim fails loudly on such a checkpoint instead of reading codes
-        return {name + ".codes": value.codes, name + ".absmax": value.absmax, name + ".format": value.fmt.id}
+    def decode_span(self, codes: Tensor, absmax: Tensor, fmt: Format) -> Tensor:
+        return quant.decode_span(codes, absmax, fmt.qmap, fmt.block)
 
     # --- kernel hooks ------------------------------------------------------------------------------------------
 
-    def kernel_block(self, fmt: Format) -> int:
-        return fmt.block
-
-    def walk(self, p: Tensor, fmt: Format) -> tuple[int, int, int]:
-        rows, length = quant.rows_of(p.shape)
-        return rows, length, rows * -(-length // fmt.block)
-
     def tables(self, fmt: Format, device: torch.device = torch.device("cpu")) -> tuple[Tensor, ...]:
         return fmt.qmap.table(device), quant.encoder(fmt.qmap, device).lut  # the map's values, the encoder's
-
-    def columns(self, k: int, fmt: Format) -> list[str]:
-        return [f"s{k}_codes", f"s{k}_absmax"]
 
     def cpp(self, k: int, fmt: Format, col: dict) -> CppPieces:
         tables, constants = _cpp_tables(k, fmt)
@@ -145,9 +58,6 @@ class Dynamic(Codec):
                    f"{encode}(S{k}, n, amax == 0.0f ? 1.0f : amax, codec{k}, {codes}); {absmax} = amax; }}"),
             probe=f"if (k == {k}) fo_probe({codec}, {encode}, decode{fmt.bits}, x, n, codes, absmax, out);",
             top=True)
-
-    def triton_pointers(self, i: int, fmt: Format) -> list[tuple[str, str, bool]]:
-        return [(f"s{i}_codes", "tl.uint8", True), (f"s{i}_absmax", "tl.float32", False)]
 
     def triton_tables(self, i: int, fmt: Format) -> list[tuple[str, str]]:
         return [(f"s{i}_map", "*fp32"), (f"s{i}_lut", "*i32")]
