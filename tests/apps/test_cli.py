@@ -33,11 +33,12 @@ def test_bench_quick_writes_json_and_markdown(tmp_path, capsys):
         for row in result["rows"]:
             assert set(row) == {"label", "library", "impl", "flat", "paths", "median_ms", "min_ms", "max_ms", "samples",
                                 "first_step_ms", "state_mib", "state_bits", "state_bytes", "state_bytes_per_param",
-                                "vs_torch_fused", "vs_flat_floor", "error"}
+                                "peak_bytes", "peak_mib", "vs_torch_fused", "vs_flat_floor", "error"}
             assert row["error"] is None and row["median_ms"] > 0 and row["samples"] == 3
+            assert row["peak_bytes"] >= row["state_bytes"] > 0  # (test_bench_memory.py: what the peak measures)
             assert row["vs_flat_floor"] is not None
     assert {s["label"] for s in data["schedulers"]} >= {"torch OneCycleLR", "fastoptim OneCycle"}
-    assert "| row |" in out_md.read_text()
+    assert "| row |" in out_md.read_text() and "| peak over p+g MiB |" in out_md.read_text()
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out_png.stat().st_size > 10_000
     out = capsys.readouterr().out
     assert "flat floor" in out and bench_report.environment_line(env) in out
@@ -188,8 +189,9 @@ def test_bench_times_each_step_between_device_syncs(monkeypatch):
     row = runner.Row("recorded", "test", "loop", Recorded)
     runner.run_workload([(3, 2), (4,)], [row], rounds=2, steps_per_round=2, warmup=1)
     timed = ["sync", "read", "step", "sync", "read"]
-    assert events == timed + ["step"] + timed * 4
-    assert len(row.times_ms) == 2 and row.error is None
+    # the last step is the peak-memory instance's, after the rounds and outside any timing
+    assert events == timed + ["step"] + timed * 4 + ["step"]
+    assert len(row.times_ms) == 2 and row.error is None and row.peak_bytes is not None
 
 
 def test_curves_rows_run_the_level_they_name(monkeypatch):
