@@ -5,10 +5,13 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from fastoptim.bench import report as bench_report
 from fastoptim.bench.peers import installed
 from fastoptim.cli import main
+from fastoptim.storage import PLAIN, codecs
+from fastoptim.storage.codecs import Codec
 
 
 def test_bench_quick_writes_json_and_markdown(tmp_path, capsys):
@@ -328,3 +331,43 @@ def test_state_format_and_state_bits_must_agree(capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["bench", "--state-format", "fp7"])
     assert "invalid choice: 'fp7'" in capsys.readouterr().err
+
+
+class _FP16(Codec):
+    """fp16 state, a format fastoptim does not ship (no kernel hooks: it runs staged)."""
+    name, bits = "fp16-curves-test", 16
+
+    def format_for(self, p, state, min_quant_size, unsigned_states):
+        return PLAIN if not p.is_floating_point() else self.format()
+
+    def make(self, p, fmt, value):
+        return torch.full_like(p, value, dtype=torch.float16, memory_format=torch.contiguous_format)
+
+    def tensor_dtype(self, param_dtype):
+        return torch.float16
+
+
+@pytest.fixture
+def fp16():
+    codec = codecs.register(_FP16())
+    yield codec
+    codecs.unregister(codec)
+
+
+def test_curves_takes_state_formats_by_name_as_bench_does(tmp_path, fp16):
+    """``--state-format`` by name or alias runs what ``--state-bits`` runs, and a format registered beside the
+    built-in ones is a choice as soon as it is registered."""
+    runs = {}
+    for flags in (["--state-format", "int8", fp16.name], ["--state-bits", "8"]):
+        out_json = tmp_path / f"{flags[0]}.json"
+        assert main(["curves", "-o", "adamw", "--impl", "fused", "--flat", "--steps", "4", *flags,
+                     "--out", str(tmp_path / "c.png"), "--json", str(out_json)]) == 0
+        runs[flags[0]] = json.loads(out_json.read_text())
+    by_name, by_bits = runs["--state-format"], runs["--state-bits"]
+    assert (by_name["state_format"], by_name["state_bits"]) == (["dynamic8", fp16.name], [8, fp16.name])
+    assert (by_bits["state_format"], by_bits["state_bits"]) == (["dynamic8"], [8])
+    named = {c["curve"]: c for c in by_name["curves"]}
+    assert named["fused 8-bit state"]["losses"] == next(
+        c["losses"] for c in by_bits["curves"] if c["curve"] == "fused 8-bit state")
+    custom = named[f"fused {fp16.name} state"]
+    assert custom["state_bits"] == fp16.name and custom["losses"] != named["fused"]["losses"]
