@@ -46,17 +46,16 @@ def profiled(summary_path: str, argv: list[str]) -> None:
     bytes (allocations minus frees, in time order, from the start of the run) to its JSON summary."""
     from torch.profiler import ProfilerActivity, profile
 
+    from fastoptim.bench.memory import profiled_peak
     from fastoptim.cli import main as cli
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         rc = cli(["train", *argv])
     if rc:
         sys.exit(rc)
-    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
-    live = peak = 0
-    for _, nbytes in events:
-        live += nbytes
-        peak = max(peak, live)
+    peak = profiled_peak(prof)
+    if peak is None:
+        sys.exit("release_memory.py: torch's profiler recorded no memory events here; --malloc tensors needs them")
     with open(summary_path) as f:
         summary = json.load(f)
     summary["peak_tensors_mb"] = peak / 2 ** 20

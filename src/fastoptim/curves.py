@@ -52,7 +52,7 @@ class Curve:
     losses: list[float] = field(default_factory=list)
     reference: bool = False
     level: str | None = None   # the level row it belongs to ("fused", "fused flat"); None for a reference
-    state_bits: int = 32       # how the optimizer kept its state (state_bits=)
+    state_bits: int | str = 32  # how the optimizer kept its state (state_bits=: a width, or a format's name)
     params: str = "fp32"       # the params' dtype: "fp32", or "bf16" (no fp32 master copy)
     rounding: str = "nearest"  # how bf16 params were rounded back (rounding=)
 
@@ -124,7 +124,8 @@ def precision_runs(impls: list[str], flat_impls: list[str], state_bits=(), round
 def _run_label(run: dict) -> str:
     if run["params"] != "fp32":
         return f"{run['level']} {run['params']} params, {run['rounding']}"
-    return run["level"] if run["state_bits"] == 32 else f"{run['level']} {run['state_bits']}-bit state"
+    bits = run["state_bits"]  # a width, or the name of a format registered beside its width's own
+    return run["level"] if bits == 32 else f"{run['level']} {f'{bits}-bit' if isinstance(bits, int) else bits} state"
 
 
 def run(optimizers: list[str], impls: list[str], flat_impls: list[str], steps: int = 200,

@@ -5,10 +5,13 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from fastoptim.bench import report as bench_report
 from fastoptim.bench.peers import installed
 from fastoptim.cli import main
+from fastoptim.storage import PLAIN, codecs
+from fastoptim.storage.codecs import Codec
 
 
 def test_bench_quick_writes_json_and_markdown(tmp_path, capsys):
@@ -33,11 +36,12 @@ def test_bench_quick_writes_json_and_markdown(tmp_path, capsys):
         for row in result["rows"]:
             assert set(row) == {"label", "library", "impl", "flat", "paths", "median_ms", "min_ms", "max_ms", "samples",
                                 "first_step_ms", "state_mib", "state_bits", "state_bytes", "state_bytes_per_param",
-                                "vs_torch_fused", "vs_flat_floor", "error"}
+                                "peak_bytes", "peak_mib", "vs_torch_fused", "vs_flat_floor", "error"}
             assert row["error"] is None and row["median_ms"] > 0 and row["samples"] == 3
+            assert row["peak_bytes"] >= row["state_bytes"] > 0  # (test_bench_memory.py: what the peak measures)
             assert row["vs_flat_floor"] is not None
     assert {s["label"] for s in data["schedulers"]} >= {"torch OneCycleLR", "fastoptim OneCycle"}
-    assert "| row |" in out_md.read_text()
+    assert "| row |" in out_md.read_text() and "| peak over p+g MiB |" in out_md.read_text()
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out_png.stat().st_size > 10_000
     out = capsys.readouterr().out
     assert "flat floor" in out and bench_report.environment_line(env) in out
@@ -188,8 +192,9 @@ def test_bench_times_each_step_between_device_syncs(monkeypatch):
     row = runner.Row("recorded", "test", "loop", Recorded)
     runner.run_workload([(3, 2), (4,)], [row], rounds=2, steps_per_round=2, warmup=1)
     timed = ["sync", "read", "step", "sync", "read"]
-    assert events == timed + ["step"] + timed * 4
-    assert len(row.times_ms) == 2 and row.error is None
+    # the last step is the peak-memory instance's, after the rounds and outside any timing
+    assert events == timed + ["step"] + timed * 4 + ["step"]
+    assert len(row.times_ms) == 2 and row.error is None and row.peak_bytes is not None
 
 
 def test_curves_rows_run_the_level_they_name(monkeypatch):
@@ -326,3 +331,43 @@ def test_state_format_and_state_bits_must_agree(capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["bench", "--state-format", "fp7"])
     assert "invalid choice: 'fp7'" in capsys.readouterr().err
+
+
+class _FP16(Codec):
+    """fp16 state, a format fastoptim does not ship (no kernel hooks: it runs staged)."""
+    name, bits = "fp16-curves-test", 16
+
+    def format_for(self, p, state, min_quant_size, unsigned_states):
+        return PLAIN if not p.is_floating_point() else self.format()
+
+    def make(self, p, fmt, value):
+        return torch.full_like(p, value, dtype=torch.float16, memory_format=torch.contiguous_format)
+
+    def tensor_dtype(self, param_dtype):
+        return torch.float16
+
+
+@pytest.fixture
+def fp16():
+    codec = codecs.register(_FP16())
+    yield codec
+    codecs.unregister(codec)
+
+
+def test_curves_takes_state_formats_by_name_as_bench_does(tmp_path, fp16):
+    """``--state-format`` by name or alias runs what ``--state-bits`` runs, and a format registered beside the
+    built-in ones is a choice as soon as it is registered."""
+    runs = {}
+    for flags in (["--state-format", "int8", fp16.name], ["--state-bits", "8"]):
+        out_json = tmp_path / f"{flags[0]}.json"
+        assert main(["curves", "-o", "adamw", "--impl", "fused", "--flat", "--steps", "4", *flags,
+                     "--out", str(tmp_path / "c.png"), "--json", str(out_json)]) == 0
+        runs[flags[0]] = json.loads(out_json.read_text())
+    by_name, by_bits = runs["--state-format"], runs["--state-bits"]
+    assert (by_name["state_format"], by_name["state_bits"]) == (["dynamic8", fp16.name], [8, fp16.name])
+    assert (by_bits["state_format"], by_bits["state_bits"]) == (["dynamic8"], [8])
+    named = {c["curve"]: c for c in by_name["curves"]}
+    assert named["fused 8-bit state"]["losses"] == next(
+        c["losses"] for c in by_bits["curves"] if c["curve"] == "fused 8-bit state")
+    custom = named[f"fused {fp16.name} state"]
+    assert custom["state_bits"] == fp16.name and custom["losses"] != named["fused"]["losses"]

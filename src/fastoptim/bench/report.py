@@ -54,6 +54,7 @@ def to_dict(workload: str, optimizer: str, n_params: int, n_tensors: int, rows: 
             "samples": len(r.times_ms), "first_step_ms": r.first_step_ms, "state_mib": r.state_bytes / 2 ** 20,
             "state_bits": r.state_bits, "state_bytes": r.state_bytes,
             "state_bytes_per_param": None if r.error else r.state_bytes / n_params,
+            "peak_bytes": r.peak_bytes, "peak_mib": None if r.peak_bytes is None else r.peak_bytes / 2 ** 20,
             "vs_torch_fused": r.median_ms / fused if fused == fused else None,
             "vs_flat_floor": r.median_ms / floor if floor == floor else None,
             "error": r.error,
@@ -115,10 +116,13 @@ def table_rows(result: dict) -> list[list[str]]:
     return [[r["label"], f"error: {r['error']}"] + [""] * (len(HEADERS) - 2) if r["error"] else
             [r["label"], _fmt(r["median_ms"], ".2f"), f"{_fmt(r['min_ms'], '.2f')}-{_fmt(r['max_ms'], '.2f')}",
              _fmt(r["vs_torch_fused"], ".2f"), _fmt(r["vs_flat_floor"], ".2f"), _fmt(r["state_mib"], ".1f"),
-             _fmt(r["state_bytes_per_param"], ".3f"), _fmt(r["first_step_ms"], ".1f")] for r in result["rows"]]
+             _fmt(r["state_bytes_per_param"], ".3f"), _fmt(r["peak_mib"], ".1f"), _fmt(r["first_step_ms"], ".1f")]
+            for r in result["rows"]]
 
 
-HEADERS = ["row", "ms/step", "spread", "x torch fused", "x flat floor", "state MiB", "state B/param", "first step ms"]
+# peak over p+g: tensor bytes live beyond the params and grads while the optimizer is built and takes its first step
+HEADERS = ["row", "ms/step", "spread", "x torch fused", "x flat floor", "state MiB", "state B/param",
+           "peak over p+g MiB", "first step ms"]
 
 
 def title(result: dict) -> str:
@@ -159,7 +163,7 @@ def print_tables(results: list[dict], schedulers: list[dict] | None = None) -> N
             print()
         return
     console = Console()
-    console.width = max(console.width, 132)  # the tables' natural width, also when piped
+    console.width = max(console.width, 150)  # the tables' natural width, also when piped
     for name, headers, rows in tables:
         table = Table(title=name)
         for i, h in enumerate(headers):

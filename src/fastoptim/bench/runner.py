@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import gc
 import statistics
 import time
 import warnings
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -30,6 +32,7 @@ class Row:
     first_step_ms: float = float("nan")
     state_bytes: int = 0
     state_bits: int = 32        # the width the row keeps its state at (low-bit rows keep small params at 32)
+    peak_bytes: int | None = None  # tensor bytes above params and grads, build and first step (measure_peaks)
     paths: list[str] = field(default_factory=list)  # the paths fastoptim's levels took (record_paths)
 
     @property
@@ -197,9 +200,10 @@ def state_bytes(opt) -> int:
 
 
 def run_workload(shapes, rows: list[Row], rounds: int, steps_per_round: int, warmup: int,
-                 progress: Callable[[], None] = lambda: None, device="cpu") -> None:
+                 progress: Callable[[], None] = lambda: None, device="cpu", memory: bool = True) -> None:
     """Each row gets its own params on ``device``; rounds interleave the rows so drift hits them all alike.
-    Every timed step starts and ends with the device synchronized (``timing.clock``)."""
+    Every timed step starts and ends with the device synchronized (``timing.clock``). With ``memory``, each row
+    that ran then gets its ``peak_bytes`` (``measure_peaks``) once the rounds are over."""
     n = workloads.numel(shapes)
     now = timing.clock([device])
     live = []
@@ -236,6 +240,40 @@ def run_workload(shapes, rows: list[Row], rounds: int, steps_per_round: int, war
                 elapsed += now() - t0
             row.times_ms.append(elapsed * 1e3 / steps_per_round)
             progress()
+    if memory:
+        ran = [row for row, *_ in live]
+        live.clear()  # the timed instances go before the measured ones are made (the loop's names held one)
+        opt = params = grads = None
+        gc.collect()
+        measure_peaks(ran, shapes, progress, device)
+
+
+def measure_peaks(rows: list[Row], shapes, progress: Callable[[], None] = lambda: None, device="cpu") -> None:
+    """Each row's ``peak_bytes``: the peak of tensor bytes above the params and grads while a new instance of it
+    is built and takes its first step (its state made), on ``device`` (``memory.PeakMemory``: the profiler on the
+    CPU, the allocator on CUDA). A second instance, once the timing is over: the profiler slows what it watches,
+    so no timed step (the first one included) runs under it, and by then the kernels are built and compiled, so
+    the peak is the step's and its state's, not the compiler's. None where it cannot be measured."""
+    from .memory import PeakMemory
+
+    n = workloads.numel(shapes)
+    for row in rows:
+        opt, failed = None, False
+        # a profiler session per row: one session's events over every row would take GBs on mlp2000
+        with PeakMemory(device) as probe:
+            try:
+                params = workloads.make_params([(n,)] if row.flat else shapes, device=device)
+                with probe.measure("step"):
+                    opt = row.build(params)
+                    opt.step()
+            except Exception:  # a peer whose second instance fails: no number rather than a wrong one
+                failed = True
+        row.peak_bytes = None if failed else probe.peaks["step"]
+        gone = weakref.ref(opt) if opt is not None else lambda: None
+        opt = params = None
+        if gone() is not None:  # held by a reference cycle: free its state before the next row's is made
+            gc.collect()
+        progress()
 
 
 def time_schedulers(steps: int = 400, rounds: int = 7, groups: int = 2) -> list[dict]:

@@ -1,5 +1,6 @@
 """``fastoptim curves``: loss curves of the same model, seed and batches under torch.optim and fastoptim; with
-``--state-bits`` / ``--rounding`` also each level with low-bit state or bf16 params, against its 32-bit fp32 run."""
+``--state-format`` (or ``--state-bits``) / ``--rounding`` also each level with low-bit state or bf16 params, against
+its 32-bit fp32 run."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import argparse
 import json
 import sys
 
+from . import state_format
 from .. import curves, registry
 from ..levels import LEVELS
 from ..storage import ROUNDINGS
@@ -22,9 +24,13 @@ def add_parser(sub) -> None:
                    help="levels to run again with flat=True (default: fused)")
     p.add_argument("--steps", type=int, default=200, help="training steps (default: 200)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--state-bits", type=int, nargs="+", default=[], choices=(16, 8, 4), metavar="BITS",
-                   help="run each level again with its state kept at these widths: 16, 8, 4 (state_bits=); "
-                        "the final-loss gap to its 32-bit run is printed as a percentage")
+    p.add_argument("--state-format", nargs="+", default=None, choices=state_format.names(), metavar="FORMAT",
+                   action=state_format.Agreeing,
+                   help="run each level again with its state kept in these formats: "
+                        f"{', '.join(state_format.names())} (state_format=); the final-loss gap to its 32-bit run "
+                        "is printed as a percentage")
+    p.add_argument("--state-bits", type=int, nargs="+", default=None, choices=(16, 8, 4), metavar="BITS",
+                   action=state_format.Agreeing, help="--state-format by width: 16 (bf16), 8, 4 (state_bits=)")
     p.add_argument("--rounding", nargs="+", default=[], choices=ROUNDINGS,
                    help="run each level again with bf16 params (no fp32 master copy) rounded back this way: "
                         "nearest (as torch.optim does), stochastic, kahan; compared with its fp32-param run")
@@ -48,6 +54,8 @@ def run(args: argparse.Namespace) -> int:
     except ImportError:
         print("fastoptim curves: the PNG needs matplotlib (pip install 'fastoptim[bench]')", file=sys.stderr)
         return 2
+    formats = state_format.resolve(args.state_bits, args.state_format)  # (the parser checked they agree)
+    args.state_bits, args.state_format = [c.key for c in formats], [c.name for c in formats]
     result = curves.run(args.optimizer, args.impl, args.flat, args.steps, args.seed, state_bits=args.state_bits,
                         roundings=args.rounding, lr=args.lr)
     diffs = curves.max_differences(result)
@@ -60,7 +68,8 @@ def run(args: argparse.Namespace) -> int:
         _print_precision(precision)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"steps": args.steps, "seed": args.seed, "lr": args.lr, "differences": diffs,
+            json.dump({"steps": args.steps, "seed": args.seed, "lr": args.lr, "state_format": args.state_format,
+                       "state_bits": args.state_bits, "differences": diffs,
                        "reference_gaps": gaps, "precision_gaps": precision,
                        "curves": [{"optimizer": c.optimizer, "curve": c.label, "losses": c.losses,
                                    "state_bits": c.state_bits, "params": c.params, "rounding": c.rounding}
