@@ -432,6 +432,8 @@ def _blocks(values, block, g):
     out.append(torch.cat([torch.tensor([float("nan"), -float("nan")]), values[:block - 2]]))
     out.append(torch.cat([torch.tensor([float("inf"), -3.0]), values[:block - 2]]))
     out.append(torch.zeros(block))
+    out.append(values[:block] * 1e-37)  # a block's absmax far below 1: its scale's inverse overflows fp32
+    out.append(torch.cat([torch.tensor([1e10]), values[:block - 1].abs() * 1e-30]))  # quotients that underflow
     out += [values[:n] * 0.7 for n in (1, 3, 17, 63, 65, block - 1)]
     return out
 

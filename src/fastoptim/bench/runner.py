@@ -175,7 +175,7 @@ def _tensors(value):
 
     if isinstance(value, QuantizedState):
         local = value.local()
-        yield from (local.codes, local.absmax)
+        yield from local.tensors()
     elif isinstance(value, torch.Tensor):
         if type(value) is not torch.Tensor and hasattr(value, "__tensor_flatten__"):
             names, _ = value.__tensor_flatten__()

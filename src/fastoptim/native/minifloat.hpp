@@ -31,11 +31,14 @@ static inline void minifloat_encode(const float* x, int64_t n, float divisor, co
         if (SIGNED) {
             code |= (u >> 24) & 0x80u;
         } else {
-            code = (u >> 31) ? 0u : (code == 0u && mag != 0u ? 1u : code);
+            code = (u >> 31) ? 0u : (code == 0u && x[i] > 0.0f ? 1u : code);  // (x * inv may underflow)
         }
         c[i] = (uint8_t)code;
     }
 }
+
+// a block's absmax as stored: at least 2**-100 unless 0 (fp8.SMALLEST_SCALE: MAXV / absmax stays finite)
+static inline float fp8_scale(float amax) { return amax > 0.0f && amax < 0x1p-100f ? 0x1p-100f : amax; }
 
 // values of codes c[i] times divisor / MAXV (the block's absmax over the largest value)
 template <int M, int BIAS, uint32_t MAXBITS, bool SIGNED>

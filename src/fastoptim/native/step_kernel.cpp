@@ -74,16 +74,17 @@ extern "C" void fo_step_team(void* gomp_parallel, uint32_t threads, const int64_
     reinterpret_cast<void (*)(void (*)(void*), void*, unsigned, unsigned)>(gomp_parallel)(fo_worker, &job, threads, 0);
 }
 
-// one state's codec on one block, as fo_step runs it: x given, its codes and absmax; else the values of codes and
-// absmax
+// one state's codec on one block, as fo_step runs it: x given, its codes and absmax (the largest magnitude, as the
+// codec's store keeps it: ``scale``); else the values of codes and absmax
 using FoEncode = void (*)(const float*, int64_t, float, const Codec&, uint8_t*);
 using FoDecode = void (*)(const uint8_t*, int64_t, const Codec&, float, float*);
+[[maybe_unused]] static float fo_same(float amax) { return amax; }
 [[maybe_unused]] static void fo_probe(const Codec& codec, FoEncode encode, FoDecode decode, const float* x, int64_t n,
-                                      uint8_t* codes, float* absmax, float* out) {
+                                      uint8_t* codes, float* absmax, float* out, float (*scale)(float) = fo_same) {
     if (x) {
         uint32_t top = 0;
         for (int64_t i = 0; i < n; ++i) top = top > magnitude_bits(x[i]) ? top : magnitude_bits(x[i]);
-        *absmax = from_bits(top);
+        *absmax = scale(from_bits(top));
         encode(x, n, *absmax == 0.0f ? 1.0f : *absmax, codec, codes);
     } else {
         decode(codes, n, codec, *absmax, out);

@@ -211,7 +211,7 @@ def adopt(value: Any, p: Tensor, fmt: Format) -> Tensor | QuantizedState:
         if codec.tensor_dtype(p.dtype) is None and value.shape == p.shape:  # kept otherwise too: span by span
             local = p.to_local() if is_dtensor(p) else p
             converted = QuantizedState.empty(local.shape, fmt, local.device)
-            converted.copy_(value)
+            converted.copy_(value.local())  # (local rows into local rows)
             return converted.sharded_like(p) if is_dtensor(p) else converted
         return adopt(value.dequantize(codec.tensor_dtype(p.dtype) or p.dtype), p, fmt)
     if not isinstance(value, Tensor):
@@ -331,15 +331,16 @@ def round_into(p: Tensor, new: Tensor, state: Tensor, rounding: str, param: Tens
 
 # --- checkpoints -------------------------------------------------------------------------------------------
 
-CODES, ABSMAX, FORMAT = ".codes", ".absmax", ".format"
-TO_TORCH = ("a low-bit checkpoint keeps quantized states as name.codes/.absmax/.format entries, which only "
+CODES, ABSMAX, FORMAT, SHAPE = ".codes", ".absmax", ".format", ".shape"
+TO_TORCH = ("a low-bit checkpoint keeps quantized states as name.codes/.absmax/.format/.shape entries, which only "
             "fastoptim loads; opt.torch_state_dict() gives one that torch.optim loads")
 
 
 def export_entry(entry: dict) -> dict:
     """A param's state for ``state_dict()``: a quantized state becomes ``name.codes`` (uint8), ``name.absmax``
-    (fp32) and ``name.format``, an int naming the map and block (``Format.id``: state-dict walkers such as DCP's
-    flattening take ints, not strings). No entry keeps the name itself, so torch.optim fails loudly on such a
+    (fp32), ``name.format``, an int naming the map and block (``Format.id``: state-dict walkers such as DCP's
+    flattening take ints, not strings), and ``name.shape``, the param's shape (int64: at 4 bits the codes'
+    shape does not tell a row of 80 from one of 79). No entry keeps the name itself, so torch.optim fails loudly on such a
     checkpoint instead of reading codes as moments (``torch_state_dict()`` is the one to give it); everything
     else as it is."""
     out = {}
@@ -357,24 +358,28 @@ def split_quantized(entry: dict) -> tuple[dict, dict]:
     are found as ``export_entry`` writes them, or nested under the state's name (``{"codes", "absmax",
     "format"}``: DCP's ``set_optimizer_state_dict`` unflattens dotted names so)."""
     quantized = {name[:-len(FORMAT)] for name in entry if isinstance(name, str) and name.endswith(FORMAT)}
-    taken = {name + suffix for name in quantized for suffix in (CODES, ABSMAX, FORMAT)}
+    taken = {name + suffix for name in quantized for suffix in (CODES, ABSMAX, FORMAT, SHAPE)}
     plain = {k: v for k, v in entry.items() if k not in taken}
-    parts = {name: (entry.get(name + CODES), entry.get(name + ABSMAX), entry[name + FORMAT]) for name in quantized}
+    parts = {name: tuple(entry.get(name + suffix) for suffix in (CODES, ABSMAX, FORMAT, SHAPE)) for name in quantized}
     for name, value in list(plain.items()):
         if isinstance(value, dict) and FORMAT[1:] in value:
             nested = plain.pop(name)
-            parts[name] = (nested.get(CODES[1:]), nested.get(ABSMAX[1:]), nested[FORMAT[1:]])
+            parts[name] = tuple(nested.get(suffix[1:]) for suffix in (CODES, ABSMAX, FORMAT, SHAPE))
     return plain, parts
 
 
 def import_quantized(name: str, parts: tuple, p: Tensor) -> QuantizedState:
     """A saved quantized state for ``p``, checked (format, dtypes, shapes) before anything changes. The format
     is a ``Format.id``, or the string checkpoints held before ("dynamic8s/256 [48, 80]": the tag, then the
-    param's shape, checked too). A ValueError says what does not fit, and how torch.optim takes such a
-    checkpoint (``TO_TORCH``)."""
-    codes, absmax, described = parts
+    param's shape, checked too); the param's shape is checked against ``name.shape`` where the checkpoint has
+    one. A ValueError says what does not fit, and how torch.optim takes such a checkpoint (``TO_TORCH``)."""
+    codes, absmax, described, shape = parts
     try:
         fmt = _saved_format(name, described, p)
+        if shape is not None and (not isinstance(shape, Tensor) or shape.tolist() != list(p.shape)):
+            saved = shape.tolist() if isinstance(shape, Tensor) else shape
+            raise ValueError(f"state {name!r} was saved for a param of shape {saved}, this param has shape "
+                             f"{list(p.shape)}")
     except ValueError as e:
         raise ValueError(f"{e} ({TO_TORCH})") from None
     codec = codecs.of(fmt)

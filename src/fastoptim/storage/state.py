@@ -130,14 +130,15 @@ class QuantizedState:
         return QuantizedState(*tensors, fmt, torch.Size(shape))
 
     @staticmethod
-    def of(values: Tensor, fmt: Format, device=None) -> "QuantizedState":
-        """``values`` quantized (on ``device``, ``values``' by default; converted span by span: no temporary of
-        the whole tensor); a sharded ``values`` (a DTensor sharded on dim 0, as FSDP2 shards) gives codes and
-        absmax sharded the same way, each rank quantizing its own rows."""
+    def of(values: Tensor, fmt: Format, device=None, through: torch.dtype | None = None) -> "QuantizedState":
+        """``values`` quantized (on ``device``, ``values``' by default; each span first rounded to ``through``
+        where given, as a cast to the param's dtype would round it; converted span by span: no temporary of the
+        whole tensor); a sharded ``values`` (a DTensor sharded on dim 0, as FSDP2 shards) gives codes and absmax
+        sharded the same way, each rank quantizing its own rows."""
         if is_dtensor(values):
-            return QuantizedState.of(values.to_local(), fmt, device).sharded_like(values)
+            return QuantizedState.of(values.to_local(), fmt, device, through).sharded_like(values)
         state = QuantizedState.empty(values.shape, fmt, values.device if device is None else device)
-        convert(values, state)
+        convert(values, state, through)
         return state
 
     @staticmethod
@@ -211,6 +212,8 @@ class QuantizedState:
         if src.fmt == self.fmt and src.shape == self.shape and not (src.is_sharded or self.is_sharded):
             self.codes.copy_(src.codes)
             self.absmax.copy_(src.absmax)
+        elif src.is_sharded != self.is_sharded:
+            raise ValueError("a sharded state is copied into a sharded one only (and a local one into a local one)")
         else:
             self.store(src.local() if src.is_sharded else src)
 
@@ -280,14 +283,20 @@ def is_dtensor(t) -> bool:
     return type(t) is not Tensor and type(t).__name__ == "DTensor" and hasattr(t, "to_local")
 
 
-def convert(src, dst) -> None:
+def convert(src, dst, through: torch.dtype | None = None) -> None:
     """The values of ``src`` into ``dst`` (each a tensor or a local ``QuantizedState`` of one shape, on any devices),
-    span by span (``quant.spans``): a conversion's temporaries are a span's, never the whole tensor's."""
+    span by span (``quant.spans``): a conversion's temporaries are a span's, never the whole tensor's. ``through``:
+    each span is first rounded to that dtype."""
     shape = src.shape
+    if tuple(shape) != tuple(dst.shape):
+        raise ValueError(f"values of shape {tuple(shape)} for a state of shape {tuple(dst.shape)}")
+    if is_dtensor(src) or is_dtensor(dst) or any(isinstance(x, QuantizedState) and x.is_sharded for x in (src, dst)):
+        raise ValueError("a conversion runs on local tensors: convert a sharded state's local() into a local one")
     block = math.lcm(_span_block(src), _span_block(dst))
     read, write = _reader(src), _writer(dst)
     for rs, cs in quant.spans(shape, block):
-        write(rs, cs, read(rs, cs))
+        values = read(rs, cs)
+        write(rs, cs, values if through is None else values.to(through))
 
 
 def _span_block(x) -> int:

@@ -50,7 +50,7 @@ class BlockScaled(Codec):
     def adopt(self, value: Tensor, p: Tensor, fmt: Format) -> QuantizedState:
         if not value.is_floating_point():
             raise ValueError(f"has dtype {value.dtype}; a state must be floating point")
-        return QuantizedState.of(value, fmt, p.device)
+        return QuantizedState.of(value, fmt, p.device, through=p.dtype)  # (as torch's loader casts it first)
 
     def parts(self, shape: torch.Size, fmt: Format) -> list[tuple[torch.dtype, tuple]]:
         return [(torch.uint8, quant.codes_shape(shape, fmt.bits)),
@@ -109,7 +109,8 @@ class BlockScaled(Codec):
 
     def entries(self, name: str, value: QuantizedState) -> dict:
         # no entry keeps the name itself: torch.optim fails loudly on such a checkpoint instead of reading codes
-        return {name + ".codes": value.codes, name + ".absmax": value.absmax, name + ".format": value.fmt.id}
+        return {name + ".codes": value.codes, name + ".absmax": value.absmax, name + ".format": value.fmt.id,
+                name + ".shape": torch.tensor(list(value.shape), dtype=torch.int64)}
 
     # --- the kernels' walk: blocks of the format's own, along each row ----------------------------------
 

@@ -46,8 +46,9 @@ class Minifloat:
     def max_bits(self) -> int:
         return int(torch.tensor(self.max_value, dtype=torch.float32).view(torch.int32))
 
-    def encode(self, y: Tensor) -> Tensor:
-        """int32 codes of fp32 ``y``, by the integer operations every kernel runs."""
+    def encode(self, y: Tensor, positive: Tensor | None = None) -> Tensor:
+        """int32 codes of fp32 ``y``, by the integer operations every kernel runs. Unsigned: ``positive`` (``y > 0``
+        by default) says which values never round to 0 (the scaled value of a positive one may underflow)."""
         M, shift = self.mantissa_bits, 23 - self.mantissa_bits
         bits = y.float().view(torch.int32)
         mag = (bits & 0x7FFFFFFF).clamp(max=self.max_bits)
@@ -60,7 +61,7 @@ class Minifloat:
         negative = bits < 0
         if self.signed:
             return code | negative.to(torch.int32) << 7
-        code = torch.where((code == 0) & (mag != 0), 1, code)
+        code = torch.where((code == 0) & (bits > 0 if positive is None else positive), 1, code)
         return torch.where(negative, 0, code)
 
     def decode(self, codes: Tensor) -> Tensor:
@@ -79,6 +80,9 @@ E5M2 = Minifloat("e5m2", 5, 2, 15, 0x7B, signed=True)     # torch.float8_e5m2's 
 UE4M4 = Minifloat("ue4m4", 4, 4, 7, 0xFF, signed=False)   # unsigned: 1.9375 * 2**8 down to 2**-10
 UE5M3 = Minifloat("ue5m3", 5, 3, 15, 0xFF, signed=False)  # unsigned: 1.875 * 2**16 down to 2**-17
 BLOCK = 256
+# a block's absmax is at least this (unless 0): max / absmax stays finite (448 / 1e-36 is not in fp32) and
+# absmax / max normal; values of such a block are far below any eps an optimizer adds
+SMALLEST_SCALE = 2.0 ** -100
 
 
 class Fp8(BlockScaled):
@@ -106,10 +110,12 @@ class Fp8(BlockScaled):
             x = torch.nn.functional.pad(x, (0, nblocks * BLOCK - length))
         x = x.reshape(rows, nblocks, BLOCK)
         absmax = x.abs().amax(dim=2) if x.numel() else x.new_zeros(x.shape[:2])
+        absmax = torch.where((absmax > 0) & (absmax < SMALLEST_SCALE), SMALLEST_SCALE, absmax)
         number = self.minifloat(fmt)
         divisor = torch.where(absmax == 0, torch.ones_like(absmax), absmax)
-        inv = torch.full_like(absmax, number.max_value) / divisor  # (a number over a tensor: torch takes the reciprocal)
-        codes = number.encode(x * inv.unsqueeze(2)).to(torch.uint8)
+        # (a tensor over a tensor: a number over a tensor is a reciprocal times it in torch, an ulp off)
+        inv = torch.full_like(absmax, number.max_value) / divisor
+        codes = number.encode(x * inv.unsqueeze(2), positive=x > 0).to(torch.uint8)
         return codes.reshape(rows, nblocks * BLOCK)[:, :length], absmax
 
     def decode_span(self, codes: Tensor, absmax: Tensor, fmt: Format) -> Tensor:
@@ -119,7 +125,7 @@ class Fp8(BlockScaled):
         nblocks = absmax.shape[1]
         if nblocks * BLOCK != length:
             values = torch.nn.functional.pad(values, (0, nblocks * BLOCK - length))
-        scale = absmax / number.max_value
+        scale = absmax / torch.full_like(absmax, number.max_value)  # (on CUDA a tensor over a number is not IEEE)
         return (values.reshape(rows, nblocks, BLOCK) * scale.unsqueeze(2)).reshape(rows, -1)[:, :length]
 
     # --- kernel hooks: the same integer operations, no table ---------------------------------------------------
@@ -133,9 +139,9 @@ class Fp8(BlockScaled):
         return CppPieces(
             codec=f"const Codec codec{k}{{}};",
             load=f"{decode}({codes}, n, codec{k}, {absmax}, S{k});",
-            store=(f"{{ const float amax = from_bits(top{k}); "
+            store=(f"{{ const float amax = fp8_scale(from_bits(top{k})); "
                    f"{encode}(S{k}, n, amax == 0.0f ? 1.0f : amax, codec{k}, {codes}); {absmax} = amax; }}"),
-            probe=f"if (k == {k}) fo_probe(Codec{{}}, {encode}, {decode}, x, n, codes, absmax, out);",
+            probe=f"if (k == {k}) fo_probe(Codec{{}}, {encode}, {decode}, x, n, codes, absmax, out, fp8_scale);",
             top=True)
 
     def triton_load(self, i: int, fmt: Format, whole: bool) -> list[str]:
@@ -159,6 +165,8 @@ class Fp8(BlockScaled):
         lines = [f"s{i}_new = {out}",
                  f"s{i}_top = tl.where(mask, s{i}_new.to(tl.int32, bitcast=True) & 0x7FFFFFFF, 0)",
                  f"s{i}_amax = tl.reduce(s{i}_top, 1, tl.standard._elementwise_max).to(tl.float32, bitcast=True)",
+                 f"s{i}_amax = tl.where((s{i}_amax > 0.0) & (s{i}_amax < {SMALLEST_SCALE!r}), {SMALLEST_SCALE!r}, "
+                 f"s{i}_amax)",
                  f"s{i}_inv = tl.div_rn({number.max_value}, tl.where(s{i}_amax == 0.0, 1.0, s{i}_amax))",
                  f"s{i}_u = (s{i}_new * s{i}_inv[:, None]).to(tl.int32, bitcast=True)",
                  f"s{i}_m = tl.minimum(s{i}_u & 0x7FFFFFFF, {number.max_bits})",
@@ -173,7 +181,7 @@ class Fp8(BlockScaled):
         if number.signed:
             lines.append(f"s{i}_code = s{i}_code | tl.where(s{i}_u < 0, 128, 0)")
         else:
-            lines += [f"s{i}_code = tl.where((s{i}_code == 0) & (s{i}_m != 0), 1, s{i}_code)",
+            lines += [f"s{i}_code = tl.where((s{i}_code == 0) & (s{i}_new > 0.0), 1, s{i}_code)",
                       f"s{i}_code = tl.where(s{i}_u < 0, 0, s{i}_code)"]
         lines += [f"tl.store(s{i}_codes + offs, tl.where(mask, s{i}_code, 0).to(tl.uint8), mask=mask)",
                   f"tl.store(s{i}_absmax + blocks, s{i}_amax, mask=block_mask)"]
