@@ -68,8 +68,8 @@ def test_a_checkpoint_saved_with_state_bits_loads_into_state_format():
 
 def test_an_unknown_name_is_refused_naming_the_valid_ones():
     model = torch.nn.Linear(4, 4)
-    for bad in ("int3", "fp8", 8, "dynamic16"):
-        with pytest.raises(ValueError, match=r"Invalid state_format: .*'fp32'.*'bf16'.*'dynamic8'.*'dynamic4'"):
+    for bad in ("int3", "fp4", 8, "dynamic16"):
+        with pytest.raises(ValueError, match=r"Invalid state_format: .*'fp32'.*'bf16'.*'dynamic8'.*'dynamic4'.*'fp8'"):
             fastoptim.Adam(model.parameters(), state_format=bad)
 
 

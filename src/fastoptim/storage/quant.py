@@ -257,29 +257,43 @@ def rows_view(t: Tensor, shape) -> Tensor:
     return t.reshape(rows_of(shape))
 
 
-def encode_span(values: Tensor, qmap: QuantMap, block: int) -> tuple[Tensor, Tensor]:
-    """Codes (uint8, one a value: not packed) and absmax of a span of whole blocks ``values`` (rows, n; any
-    float dtype, read as fp32; only a row's last block may be short)."""
+def blocked(values: Tensor, block: int) -> tuple[Tensor, Tensor]:
+    """A span ``values`` (rows, n; any float dtype, read as fp32; only a row's last block may be short) as fp32
+    blocks (rows, blocks, block), the last zero-padded, and each block's absmax."""
     rows, length = values.shape
     nblocks = -(-length // block)
     x = values.float()
     if nblocks * block != length:
         x = torch.nn.functional.pad(x, (0, nblocks * block - length))
     x = x.reshape(rows, nblocks, block)
-    absmax = x.abs().amax(dim=2) if x.numel() else x.new_zeros(x.shape[:2])
+    return x, x.abs().amax(dim=2) if x.numel() else x.new_zeros(x.shape[:2])
+
+
+def unblocked(span: Tensor, blocks: Tensor, length: int) -> Tensor:
+    """(rows, blocks, block) ``blocks`` (codes, values) of ``span`` back to (rows, ``length``): padding dropped."""
+    return blocks.reshape(span.shape[0], -1)[:, :length]
+
+
+def scaled(values: Tensor, scale: Tensor, block: int) -> Tensor:
+    """Values (rows, n) of a span times each block's ``scale`` (rows, blocks)."""
+    rows, length = values.shape
+    nblocks = scale.shape[1]
+    if nblocks * block != length:
+        values = torch.nn.functional.pad(values, (0, nblocks * block - length))
+    return (values.reshape(rows, nblocks, block) * scale.unsqueeze(2)).reshape(rows, -1)[:, :length]
+
+
+def encode_span(values: Tensor, qmap: QuantMap, block: int) -> tuple[Tensor, Tensor]:
+    """Codes (uint8, one a value: not packed) and absmax of a span of whole blocks ``values`` (``blocked``)."""
+    x, absmax = blocked(values, block)
     divisor = torch.where(absmax == 0, torch.ones_like(absmax), absmax)
     codes = encoder(qmap, x.device).encode(x / divisor.unsqueeze(2)).to(torch.uint8)
-    return codes.reshape(rows, nblocks * block)[:, :length], absmax
+    return unblocked(values, codes, values.shape[1]), absmax
 
 
 def decode_span(codes: Tensor, absmax: Tensor, qmap: QuantMap, block: int) -> Tensor:
     """fp32 values (rows, n) of unpacked ``codes`` (rows, n) and their blocks' ``absmax`` (rows, blocks)."""
-    rows, length = codes.shape
-    values = qmap.table(codes.device)[codes.long()]
-    nblocks = absmax.shape[1]
-    if nblocks * block != length:
-        values = torch.nn.functional.pad(values, (0, nblocks * block - length))
-    return (values.reshape(rows, nblocks, block) * absmax.unsqueeze(2)).reshape(rows, -1)[:, :length]
+    return scaled(qmap.table(codes.device)[codes.long()], absmax, block)
 
 
 def read_span(codes: Tensor, absmax: Tensor, shape, bits: int, block: int, rs: slice, cs: slice

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from .. import quant
 from ..state import Format
 from .base import CppPieces
 from .blockwise import BlockScaled
@@ -103,30 +104,19 @@ class Fp8(BlockScaled):
         return f"fp8{self.minifloat(fmt).name}/{BLOCK}"
 
     def encode_span(self, values: Tensor, fmt: Format) -> tuple[Tensor, Tensor]:
-        rows, length = values.shape
-        nblocks = -(-length // BLOCK)
-        x = values.float()
-        if nblocks * BLOCK != length:
-            x = torch.nn.functional.pad(x, (0, nblocks * BLOCK - length))
-        x = x.reshape(rows, nblocks, BLOCK)
-        absmax = x.abs().amax(dim=2) if x.numel() else x.new_zeros(x.shape[:2])
+        x, absmax = quant.blocked(values, BLOCK)
         absmax = torch.where((absmax > 0) & (absmax < SMALLEST_SCALE), SMALLEST_SCALE, absmax)
         number = self.minifloat(fmt)
         divisor = torch.where(absmax == 0, torch.ones_like(absmax), absmax)
         # (a tensor over a tensor: a number over a tensor is a reciprocal times it in torch, an ulp off)
         inv = torch.full_like(absmax, number.max_value) / divisor
         codes = number.encode(x * inv.unsqueeze(2), positive=x > 0).to(torch.uint8)
-        return codes.reshape(rows, nblocks * BLOCK)[:, :length], absmax
+        return quant.unblocked(values, codes, values.shape[1]), absmax
 
     def decode_span(self, codes: Tensor, absmax: Tensor, fmt: Format) -> Tensor:
-        rows, length = codes.shape
         number = self.minifloat(fmt)
-        values = number.decode(codes)
-        nblocks = absmax.shape[1]
-        if nblocks * BLOCK != length:
-            values = torch.nn.functional.pad(values, (0, nblocks * BLOCK - length))
         scale = absmax / torch.full_like(absmax, number.max_value)  # (on CUDA a tensor over a number is not IEEE)
-        return (values.reshape(rows, nblocks, BLOCK) * scale.unsqueeze(2)).reshape(rows, -1)[:, :length]
+        return quant.scaled(number.decode(codes), scale, BLOCK)
 
     # --- kernel hooks: the same integer operations, no table ---------------------------------------------------
 
