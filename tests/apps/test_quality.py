@@ -29,11 +29,12 @@ def adamw_32_bit():
 # Measured gaps (final loss vs 32-bit state, AdamW lr 3e-3, 200 steps, impl="auto") over seeds 0-7:
 #   8-bit: -0.016, +0.026, -0.047, +0.023, +0.018, -0.018, -0.042, +0.031 %  (worst 0.047 %)
 #   4-bit: +0.802, +1.274, +0.795, +0.987, +0.973, +1.036, +1.036, +0.925 %  (worst 1.274 %)
-# The bands are about twice the worst.
-BANDS = {8: 0.1, 4: 2.5}
+#   fp8:   -0.052, +0.042 % (seeds 0-1; worst 0.052 %)
+# The bands are about twice the worst (fp8's a little more: two seeds measured).
+BANDS = {8: 0.1, 4: 2.5, "fp8_e4m3": 0.15}
 
 
-@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("bits", list(BANDS))
 def test_low_bit_adamw_ends_within_a_stated_band_of_the_32_bit_loss(adamw_32_bit, bits):
     for seed, reference in adamw_32_bit.items():
         gap = gap_percent(final_loss(seed, lr=3e-3, state_bits=bits), reference)
