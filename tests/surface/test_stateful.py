@@ -229,6 +229,7 @@ class UserProgram(RuleBasedStateMachine):
         fresh = self.spec.cls(groups, impl=self.level, flat=self.flat, **self.low, **self.opts,
                               **self.release_opts)
         fresh.load_state_dict(saved)
+        self._as_stored(quantized_only=True)  # a plain state loaded where the format is quantized converts at once
         if self.release:  # kept alive: the newest optimizer over a param owns its release, the old one steps nothing
             self.retired.append((self.ours, self.ours._release.flushes))
         self.ours = fresh
@@ -347,12 +348,13 @@ class UserProgram(RuleBasedStateMachine):
                     self.ref.state[b] = {"step": torch.tensor(0.0),
                                          **{name: torch.full_like(b, v) for name, v in values.items()}}
 
-    def _as_stored(self, params=None):
+    def _as_stored(self, params=None, quantized_only=False):
         """torch's twin, at low state widths: each of its states rounded as fastoptim stores that state
         (bf16, or quantized and back) where fastoptim converts one: before and after each step that runs.
         Quantizing dequantized codes gives the same codes, so the twin then holds exactly the values
         fastoptim's storage holds; a state put in between steps reads as put on both sides, and is converted
-        when its param next steps. ``params``: the twin's params to round (default: all)."""
+        when its param next steps (a quantized one loaded by ``load_state_dict``: as it loads). ``params``: the
+        twin's params to round (default: all); ``quantized_only``: only states kept quantized."""
         if self.state_bits == 32:
             return
         groups = {id(p): g for g in self.ours.param_groups for p in g["params"]}
@@ -363,7 +365,7 @@ class UserProgram(RuleBasedStateMachine):
                 if name == "step" or name in self.spec.cls.rule.host_states or not isinstance(value, torch.Tensor):
                     continue
                 fmt = self.ours._state_format(a, name, groups[id(a)])
-                if not fmt.plain:
+                if not fmt.plain and (fmt.quantized or not quantized_only):
                     value.copy_(storage.torch_value(storage.adopt(value, a, fmt), a))
 
     # --- what must hold after every action ------------------------------------------------------------
