@@ -6,6 +6,8 @@ codes and absmax and back (``encode_span``/``decode_span``), its tag, and its ke
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor
 
@@ -78,8 +80,13 @@ class BlockScaled(Codec):
 
     def fill(self, state: QuantizedState, value: float) -> None:
         """Each block of a constant state quantizes as one element does: that element's code and absmax."""
-        codes, absmax = self.encode_span(torch.tensor([[value]], dtype=torch.float32), state.fmt)
-        quant.fill(state.codes, state.absmax, state.shape, state.fmt.bits, int(codes), float(absmax))
+        quant.fill(state.codes, state.absmax, state.shape, state.fmt.bits, *self.constant(state.fmt, float(value)))
+
+    @functools.lru_cache(maxsize=256)  # (a first step makes two states for each of thousands of params)
+    def constant(self, fmt: Format, value: float) -> tuple[int, float]:
+        """The code and absmax of an element ``value`` on its own."""
+        codes, absmax = self.encode_span(torch.tensor([[value]], dtype=torch.float32), fmt)
+        return int(codes), float(absmax)
 
     def layout_error(self, state: QuantizedState) -> str | None:
         codes_shape = quant.codes_shape(state.shape, state.fmt.bits)
