@@ -741,3 +741,41 @@ def test_tensors_spanning_several_programs_split_mid_row(interpret, bits):
     assert len(starts) > 1 and any(b % int(table.table[0, 2]) for b in starts)  # a program starts mid-row
     length = 30 * 600 if bits == 16 else 600  # 16-bit state: the flat tensor is the one row
     assert table.table[:, 3].tolist() == [int(length % ts.block_of(bits) == 0), 1]
+
+
+@pytest.mark.parametrize("bits", [key for key in STORED if quantized(key)])
+def test_the_kernels_store_gives_the_codecs_codes_on_hard_values(interpret, bits):
+    """The kernel's encoder on the values whose codes are easy to get wrong (every rounding boundary and its fp32
+    neighbours, subnormal and tiny values, a tiny block absmax, quotients that underflow: ``test_cpu_kernels``'s
+    blocks), against the codec's own span encode. Signed: SGD's first momentum buffer is the grad itself;
+    unsigned: RMSprop with alpha=0 stores grad * grad."""
+    from test_cpu_kernels import _blocks, _hard_values
+
+    codec = storage.codecs.for_bits(bits)
+    g = torch.Generator().manual_seed(9)
+    for signed in (True, False):
+        fmt = codec.format(signed)
+        # (-0.0 aside: the rule's first momentum is 0.9 * 0 + g, +0.0 where g is -0.0; and blocks with a NaN or an
+        # inf, whose scale is NaN or inf: which NaN a product gives is numpy's here, the GPU's there)
+        blocks = [torch.where(b == 0, 0.0, b.float()) for b in _blocks(_hard_values(fmt, g), fmt.block, g)
+                  if b.isfinite().all()]
+        grads = blocks if signed else [b.abs().sqrt() for b in blocks]
+        params = [torch.nn.Parameter(torch.zeros(1, b.numel())) for b in grads]
+        for p, grad in zip(params, grads):
+            p.grad = grad.reshape(1, -1).clone()
+        opt = (fastoptim.SGD(params, lr=0.0, momentum=0.9, impl="fused", state_bits=bits, min_quant_size=0)
+               if signed else fastoptim.RMSprop(params, lr=0.0, alpha=0.0, impl="fused", state_bits=bits,
+                                                min_quant_size=0))
+        with record_paths() as paths:
+            opt.step()
+        assert set(paths) == {"triton_stored"}, paths
+        name = "momentum_buffer" if signed else "square_avg"
+        for p, grad in zip(params, grads):
+            state = opt.state[p][name]
+            assert state.fmt == fmt
+            values = grad.reshape(1, -1) if signed else grad.reshape(1, -1) * grad.reshape(1, -1)
+            want_codes, want_absmax = codec.encode_span(values, fmt)
+            if fmt.bits == 4:
+                want_codes = quant.pack4(want_codes)
+            torch.testing.assert_close(state.absmax, want_absmax, rtol=0, atol=0, equal_nan=True)
+            assert torch.equal(state.codes.reshape(want_codes.shape), want_codes), (fmt.tag, grad.numel())
