@@ -294,7 +294,8 @@ def main(out_path, levels=LEVELS):
     plain = model()
     plain_params = train(plain, fastoptim.AdamW(plain.parameters(), lr=1e-2))
     result["zero1"] = max((a - b).abs().max().item() for a, b in zip(params, plain_params))
-    for bits in [key for key in storage.codecs.keys() if key != 32]:  # low-bit state: blocks run along rows, so each rank's rows quantize as one process's
+    # low-bit state: blocks run along rows, so each rank's rows quantize as one process's
+    for bits in [key for key in storage.codecs.keys() if key != 32]:
         low = dict(lr=1e-2, state_bits=bits, min_quant_size=0)
         for impl in levels:
             single = wide_model()

@@ -332,6 +332,7 @@ def round_into(p: Tensor, new: Tensor, state: Tensor, rounding: str, param: Tens
 # --- checkpoints -------------------------------------------------------------------------------------------
 
 CODES, ABSMAX, FORMAT, SHAPE = ".codes", ".absmax", ".format", ".shape"
+PARTS = (CODES, ABSMAX, FORMAT, SHAPE)  # a quantized state's entries, in ``import_quantized``'s order
 TO_TORCH = ("a low-bit checkpoint keeps quantized states as name.codes/.absmax/.format/.shape entries, which only "
             "fastoptim loads; opt.torch_state_dict() gives one that torch.optim loads")
 
@@ -340,9 +341,9 @@ def export_entry(entry: dict) -> dict:
     """A param's state for ``state_dict()``: a quantized state becomes ``name.codes`` (uint8), ``name.absmax``
     (fp32), ``name.format``, an int naming the map and block (``Format.id``: state-dict walkers such as DCP's
     flattening take ints, not strings), and ``name.shape``, the param's shape (int64: at 4 bits the codes'
-    shape does not tell a row of 80 from one of 79). No entry keeps the name itself, so torch.optim fails loudly on such a
-    checkpoint instead of reading codes as moments (``torch_state_dict()`` is the one to give it); everything
-    else as it is."""
+    shape does not tell a row of 80 from one of 79). No entry keeps the name itself, so torch.optim fails loudly
+    on such a checkpoint instead of reading codes as moments (``torch_state_dict()`` is the one to give it);
+    everything else as it is."""
     out = {}
     for name, value in entry.items():
         if isinstance(value, QuantizedState):
@@ -354,17 +355,17 @@ def export_entry(entry: dict) -> dict:
 
 def split_quantized(entry: dict) -> tuple[dict, dict]:
     """A saved param state split into what torch.optim's loader may cast (plain tensors) and the quantized
-    parts (codes, absmax, format), which it must not (it would cast the codes to the param's dtype). The parts
-    are found as ``export_entry`` writes them, or nested under the state's name (``{"codes", "absmax",
-    "format"}``: DCP's ``set_optimizer_state_dict`` unflattens dotted names so)."""
+    parts (codes, absmax, format, shape: ``PARTS``), which it must not (it would cast the codes to the param's
+    dtype). The parts are found as ``export_entry`` writes them, or nested under the state's name (``{"codes",
+    "absmax", "format", "shape"}``: DCP's ``set_optimizer_state_dict`` unflattens dotted names so)."""
     quantized = {name[:-len(FORMAT)] for name in entry if isinstance(name, str) and name.endswith(FORMAT)}
-    taken = {name + suffix for name in quantized for suffix in (CODES, ABSMAX, FORMAT, SHAPE)}
+    taken = {name + suffix for name in quantized for suffix in PARTS}
     plain = {k: v for k, v in entry.items() if k not in taken}
-    parts = {name: tuple(entry.get(name + suffix) for suffix in (CODES, ABSMAX, FORMAT, SHAPE)) for name in quantized}
+    parts = {name: tuple(entry.get(name + suffix) for suffix in PARTS) for name in quantized}
     for name, value in list(plain.items()):
         if isinstance(value, dict) and FORMAT[1:] in value:
             nested = plain.pop(name)
-            parts[name] = tuple(nested.get(suffix[1:]) for suffix in (CODES, ABSMAX, FORMAT, SHAPE))
+            parts[name] = tuple(nested.get(suffix[1:]) for suffix in PARTS)
     return plain, parts
 
 

@@ -36,5 +36,6 @@ from .dynamic import DYNAMIC4, DYNAMIC8
 from .fp8 import FP8_E4M3
 from .plain import PLAIN_CODEC
 
-for _codec in (PLAIN_CODEC, BF16_CODEC, DYNAMIC8, DYNAMIC4, FP8_E4M3):  # the formats, in the order error messages list them
+# the formats, in the order error messages list them
+for _codec in (PLAIN_CODEC, BF16_CODEC, DYNAMIC8, DYNAMIC4, FP8_E4M3):
     register(_codec)
