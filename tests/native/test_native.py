@@ -16,16 +16,19 @@ needs_compiler = pytest.mark.skipif(native.compiler() is None, reason="no C++ co
 
 def test_sources_are_the_package_files_and_headers_are_inlined_once():
     assert native.source_dir() == os.path.dirname(native.__file__)
-    source = native.assemble("step_kernel.cpp", width="5", block="256", constants="", codecs="", arrays="",
-                             tops="", loads="", grad="G[i]", reads="", body="", writes="", stores="", probes="")
-    assert '#include "' not in source  # common.hpp and codec.hpp inlined, so the cache key covers them
-    assert source.count("#define FO_COMMON_HPP") == 1 and source.count("#define FO_CODEC_HPP") == 1
+    slots = dict(width="5", block="256", constants="", scalars="", codecs="", arrays="", tops="", loads="",
+                 lane_reads="", lane_body="", lane_writes="", tails="", reads="", body="", writes="", merge_tops="",
+                 stores="", probes="")
+    source = native.assemble("step_kernel.cpp", **slots)
+    assert '#include "' not in source  # the headers inlined, so the cache key covers them
+    for header in ("COMMON", "CODEC", "LANES", "MINIFLOAT"):
+        assert source.count(f"#define FO_{header}_HPP") == 1
     assert "constexpr int64_t WIDTH = 5;" in source and "${width}" not in source
-    for name in ("step_kernel.cpp", "codec.hpp", "common.hpp"):
+    for name in ("step_kernel.cpp", "codec.hpp", "common.hpp", "lanes.hpp", "minifloat.hpp"):
         assert native.sources_read[name] == os.path.join(native.source_dir(), name)
+    del slots["probes"]
     with pytest.raises(KeyError, match="probes"):  # a slot left unfilled is an error, not a silent blank
-        native.assemble("step_kernel.cpp", width="5", block="256", constants="", codecs="", arrays="", tops="",
-                        loads="", grad="G[i]", reads="", body="", writes="", stores="")
+        native.assemble("step_kernel.cpp", **slots)
 
 
 def test_the_python_files_carry_no_cpp_source():

@@ -1,5 +1,5 @@
-// What every CPU kernel starts from: the vector width this build runs at, torch's NaN-propagating min/max, float
-// bits, and bf16 <-> fp32 as torch converts. Included (inlined by native.assemble) into step_kernel.cpp.
+// What every CPU kernel starts from: the vector width this build runs at, torch's NaN-propagating min/max, and
+// float bits. Included (inlined by native.assemble) into step_kernel.cpp.
 #ifndef FO_COMMON_HPP
 #define FO_COMMON_HPP
 #include "system.hpp"
@@ -29,15 +29,4 @@ static inline float fo_minimum(float a, float b) { return (a != a || b != b) ? a
 static inline uint32_t magnitude_bits(float x) { uint32_t u; std::memcpy(&u, &x, 4); return u & 0x7FFFFFFFu; }
 static inline float from_bits(uint32_t u) { float x; std::memcpy(&x, &u, 4); return x; }
 
-// bf16 <-> fp32 as torch converts: widening is exact; narrowing rounds to nearest even, NaN stays quiet NaN
-static inline void bf16_load(const uint16_t* src, int64_t n, float* out) {
-    for (int64_t i = 0; i < n; ++i) { uint32_t u = (uint32_t)src[i] << 16; std::memcpy(out + i, &u, 4); }
-}
-static inline void bf16_store(const float* in, int64_t n, uint16_t* dst) {
-    for (int64_t i = 0; i < n; ++i) {
-        uint32_t u; std::memcpy(&u, in + i, 4);
-        const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
-        dst[i] = in[i] != in[i] ? (uint16_t)0x7FC0 : (uint16_t)rounded;
-    }
-}
 #endif  // FO_COMMON_HPP

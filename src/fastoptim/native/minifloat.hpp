@@ -1,10 +1,56 @@
 // 8-bit floating-point codes with a per-block scale (storage/codecs/fp8.py): encoded by integer operations on the
 // bits (exponent rebias, round half to even by a bias and a mask, saturate), decoded the same way, so no table in
-// memory. Plain loops the compiler vectorizes (variable shifts, blends). Included into step_kernel.cpp after
-// codec.hpp; Minifloat's docstring in fp8.py states the format these functions must match bit for bit.
+// memory. Written on sixteen lanes (lanes.hpp), each lane's bits the scalar formula's; a block's last few codes
+// one at a time. Included into step_kernel.cpp after codec.hpp; Minifloat's docstring in fp8.py states the format
+// these functions must match bit for bit.
 #ifndef FO_MINIFLOAT_HPP
 #define FO_MINIFLOAT_HPP
-#include "common.hpp"
+#include "lanes.hpp"
+
+// The encoder's constants: normal codes take the rebias folded into the rounding bias,
+// (mag + rebias + half - 1 + odd) >> (23 - M); subnormal ones (below 2**(1 - BIAS)) are the low bits of
+// |y| + 2**(23 + 1 - BIAS - M), a sum the FPU rounds half to even at the smallest subnormal (the integer
+// arithmetic of Minifloat.encode, in fewer operations)
+template <int M, int BIAS>
+struct MinifloatBits {
+    static constexpr int SHIFT = 23 - M;
+    static constexpr uint32_t BIAS_ADD = (uint32_t)((BIAS - 127) * (1 << 23)) + ((1u << (SHIFT - 1)) - 1u);
+    static constexpr uint32_t FIRST_NORMAL = (uint32_t)(128 - BIAS) << 23;
+    static constexpr uint32_t MAGIC = (uint32_t)(151 - BIAS - M) << 23;
+    static constexpr uint32_t REBIAS = (uint32_t)(127 - BIAS) << 23;  // the decoder's
+};
+
+// sixteen codes of x * inv (inv: MAXV over the block's divisor), one a lane
+template <int M, int BIAS, uint32_t MAXBITS, bool SIGNED>
+static inline LaneBits minifloat_code_lanes(Lanes x, float inv) {
+    using F = MinifloatBits<M, BIAS>;
+    const LaneBits u = fo_bits(x * inv);
+    const LaneBits mag = fo_min(u & 0x7FFFFFFFu, LaneBits{} + MAXBITS);
+    const LaneBits normal = (mag + F::BIAS_ADD + ((mag >> F::SHIFT) & 1u)) >> F::SHIFT;
+    const LaneBits sub = fo_bits(fo_from_bits(mag) + from_bits(F::MAGIC)) - F::MAGIC;
+    LaneBits code = fo_select((LaneMask)(mag < F::FIRST_NORMAL), sub, normal);
+    if (SIGNED) {
+        code |= (u >> 24) & 0x80u;
+    } else {  // (x * inv may underflow)
+        code = fo_select((LaneMask)(code == 0u) & (LaneMask)(x > Lanes{}), LaneBits{} + 1u, code);
+        code = fo_select((LaneMask)((u >> 31) != 0u), LaneBits{}, code);
+    }
+    return code;
+}
+
+// the values of sixteen codes times scale (the block's absmax over MAXV)
+template <int M, int BIAS, bool SIGNED>
+static inline Lanes minifloat_lanes(const uint8_t* c, float scale) {
+    using F = MinifloatBits<M, BIAS>;
+    const LaneBits code = fo_widen(c);
+    const LaneBits mag = SIGNED ? code & 0x7Fu : code;
+    const Lanes normal = fo_from_bits((mag << (23 - M)) + F::REBIAS);
+    const Lanes unit = Lanes{} + from_bits((uint32_t)(128 - BIAS - M) << 23);  // the smallest subnormal
+    const Lanes sub = __builtin_convertvector((LaneMask)(mag & ((1u << M) - 1u)), Lanes) * unit;
+    Lanes v = fo_select((LaneMask)((mag >> M) == 0u), sub, normal);
+    if (SIGNED) v = fo_from_bits(fo_bits(v) ^ ((code & 0x80u) << 24));
+    return v * scale;
+}
 
 // codes of x[i] * (MAXV / divisor): M mantissa bits, exponent bias BIAS, MAXBITS the fp32 bits of the largest value
 // (MAXV), saturating; SIGNED: bit 7 the sign; else a negative value is 0 and a positive one never rounds to 0
@@ -12,22 +58,19 @@ template <int M, int BIAS, uint32_t MAXBITS, bool SIGNED>
 static inline void minifloat_encode(const float* x, int64_t n, float divisor, const Codec& codec, uint8_t* c) {
     (void)codec;
     const float inv = from_bits(MAXBITS) / divisor;
-    // normal: the rebias folded into the rounding bias, (mag + rebias + half - 1 + odd) >> (23 - M); subnormal
-    // (below 2**(1 - BIAS)): the FPU rounds |y| + 2**(23 + 1 - BIAS - M), whose ulp is the smallest subnormal,
-    // half to even, and the sum's low bits are the code (the integer arithmetic of Minifloat.encode, in fewer
-    // operations)
-    constexpr int SHIFT = 23 - M;
-    constexpr uint32_t BIAS_ADD = (uint32_t)((BIAS - 127) * (1 << 23)) + ((1u << (SHIFT - 1)) - 1u);
-    constexpr uint32_t FIRST_NORMAL = (uint32_t)(128 - BIAS) << 23;
-    constexpr uint32_t MAGIC = (uint32_t)(151 - BIAS - M) << 23;
-    for (int64_t i = 0; i < n; ++i) {
+    using F = MinifloatBits<M, BIAS>;
+    int64_t i = 0;
+    for (; i + LANES <= n; i += LANES) {
+        fo_narrow(c + i, minifloat_code_lanes<M, BIAS, MAXBITS, SIGNED>(fo_lanes(x + i), inv));
+    }
+    for (; i < n; ++i) {
         const float y = x[i] * inv;
         uint32_t u; std::memcpy(&u, &y, 4);
         uint32_t mag = u & 0x7FFFFFFFu;
         mag = mag < MAXBITS ? mag : MAXBITS;
-        const uint32_t normal = (mag + BIAS_ADD + ((mag >> SHIFT) & 1u)) >> SHIFT;
-        uint32_t sub; const float shifted = from_bits(mag) + from_bits(MAGIC); std::memcpy(&sub, &shifted, 4);
-        uint32_t code = mag < FIRST_NORMAL ? sub - MAGIC : normal;
+        const uint32_t normal = (mag + F::BIAS_ADD + ((mag >> F::SHIFT) & 1u)) >> F::SHIFT;
+        uint32_t sub; const float shifted = from_bits(mag) + from_bits(F::MAGIC); std::memcpy(&sub, &shifted, 4);
+        uint32_t code = mag < F::FIRST_NORMAL ? sub - F::MAGIC : normal;
         if (SIGNED) {
             code |= (u >> 24) & 0x80u;
         } else {
@@ -45,12 +88,13 @@ template <int M, int BIAS, uint32_t MAXBITS, bool SIGNED>
 static inline void minifloat_decode(const uint8_t* c, int64_t n, const Codec& codec, float absmax, float* out) {
     (void)codec;
     const float scale = absmax / from_bits(MAXBITS);
-    constexpr uint32_t REBIAS = (uint32_t)(127 - BIAS) << 23;
     const float unit = from_bits((uint32_t)(128 - BIAS - M) << 23);  // the smallest subnormal, 2**(1 - BIAS - M)
-    for (int64_t i = 0; i < n; ++i) {
+    int64_t i = 0;
+    for (; i + LANES <= n; i += LANES) fo_put(out + i, minifloat_lanes<M, BIAS, SIGNED>(c + i, scale));
+    for (; i < n; ++i) {
         const uint32_t code = c[i];
         const uint32_t mag = SIGNED ? code & 0x7Fu : code;
-        const float normal = from_bits((mag << (23 - M)) + REBIAS);
+        const float normal = from_bits((mag << (23 - M)) + MinifloatBits<M, BIAS>::REBIAS);
         const float sub = (float)(int32_t)(mag & ((1u << M) - 1u)) * unit;
         float v = (mag >> M) == 0u ? sub : normal;
         if (SIGNED) v = (code & 0x80u) ? -v : v;

@@ -1,9 +1,10 @@
 // One optimizer step over a bucket's tensors, block by block: each state loaded into an fp32 array that stays in L1
-// (decoded, or widened from bf16), the rule's update run over them with p and g read in place, each state stored
-// back. A template: paths/cpu_kernel/kernels.kernel_source fills each $${name} with the pieces of one rule, its FLAGS and
+// (decoded, or widened from bf16), the rule's update run over them sixteen lanes at a time (lanes.hpp; a row's
+// last few elements one at a time) with p and g read in place, each state stored back. A template: paths/cpu_kernel/kernels.kernel_source fills each $${name} with the pieces of one rule, its FLAGS and
 // state formats (the update as C++ statements, and per state its load, store and codec).
 #include "codec.hpp"
 #include "minifloat.hpp"
+#include "lanes.hpp"
 
 // a tensor's row in the table: these columns, then each active state's addresses (kernels._column_names)
 constexpr int64_t FIRST_BLOCK = 0, ROWS = 1, LENGTH = 2, PARAM = 3, GRAD = 4;
@@ -19,6 +20,7 @@ extern "C" void fo_step(const int64_t* table, int64_t n_tensors, int64_t begin, 
                         const float* sc, const float* grad_mul, const void* const* maps) {
     const float gm = grad_mul ? *grad_mul : 1.0f;
     (void)gm; (void)maps; (void)sc;
+${scalars}
 ${codecs}
     // the block walk: tensor t, row r, block j of the row (one division, at the start)
     int64_t t = 0;
@@ -35,13 +37,23 @@ ${codecs}
         ${arrays}
         ${tops}
 ${loads}
-        for (int64_t i = 0; i < n; ++i) {
+        int64_t i = 0;
+        for (; i + LANES <= n; i += LANES) {
+            const Lanes p_ = fo_lanes(P + i);
+            const Lanes g_ = fo_lanes(G + i) * gm;
+${lane_reads}
+${lane_body}
+${lane_writes}
+        }
+${tails}
+        for (; i < n; ++i) {
             const float p_ = P[i];
-            const float g_ = ${grad};
+            const float g_ = G[i] * gm;
 ${reads}
 ${body}
 ${writes}
         }
+${merge_tops}
 ${stores}
         if (++j == nblocks) {  // the next block: the row's next, the next row's first, or the next tensor's first
             j = 0;

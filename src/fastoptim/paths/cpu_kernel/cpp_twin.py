@@ -2,8 +2,9 @@
 
 ``update`` uses arithmetic operators and ``prims`` only (the rule contract), and its FLAGS are Python
 booleans, so running it on ``Sym`` values records exactly the operations the loop level performs, in the
-same order. Each becomes one C++ statement on ``float``: with FMA contraction off, IEEE division and
-``sqrtf``, every operation is rounded once, correctly, so the C++ twin gives the rule's IEEE fp32 math
+same order. Each becomes one C++ statement on a type the kernel chooses (``LANE_TYPE``: sixteen fp32 lanes,
+``native/lanes.hpp``, or one ``float``): with FMA contraction off, IEEE division and square root, every
+operation is rounded once, correctly, so the C++ twin gives the rule's IEEE fp32 math
 exactly (torch's CPU ``sqrt`` is off by an ulp in some lanes; its other operators agree). Scalars (a Python
 number in the source, or one of the step's scalars) are fp32, as torch rounds a Python scalar to a float
 tensor's dtype.
@@ -16,6 +17,7 @@ from typing import Callable
 from ... import native
 
 _literal = native.float_literal  # shared with the codecs' C++ hooks
+LANE_TYPE = "FO_T"  # each statement's type: the kernel fills in ``Lanes`` (sixteen at a time) or ``float``
 
 
 class Sym:
@@ -56,10 +58,10 @@ class Sym:
 
     # the prims (``rules.prims`` dispatches through these methods)
     def sqrt(self):
-        return self._op("sqrtf({})", self)
+        return self._op("fo_sqrt({})", self)
 
     def sign(self):  # torch.sign: 0 for NaN and for either zero
-        return self._op("(float)(({0} > 0.0f) - ({0} < 0.0f))", self)
+        return self._op("fo_sign({})", self)
 
     def maximum(self, other):  # torch.maximum: NaN wins
         return self._op("fo_maximum({}, {})", self, other)
@@ -84,7 +86,7 @@ class Tracer:
 
     def emit(self, expression: str) -> Sym:
         name = f"t{len(self.lines)}"
-        self.lines.append(f"const float {name} = {expression};")
+        self.lines.append(f"const {LANE_TYPE} {name} = {expression};")
         return Sym(self, name)
 
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 import ctypes
 import itertools
 import os
+import re
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from functools import lru_cache
@@ -94,18 +95,28 @@ def kernel_source(update: Callable, flags: tuple, formats: tuple, n_scalars: int
     tops = [k for k in active if pieces[k].top]
     lines, outputs = cpp_twin.trace(update, ["p_", "g_"] + [f"s{k}_" if f is not None else "" for k, f in
                                                             enumerate(formats)],
-                                    [f"sc[{k}]" for k in range(n_scalars)], flags)
-    writes = [f"P[i] = {outputs[0]};"] + [f"S{k}[i] = {outputs[1 + k]};" for k in active]
-    # the largest magnitude a state's store needs (a block's absmax), taken as its new values are written (no
-    # pass of its own)
-    writes += [f"top{k} = top{k} > magnitude_bits({outputs[1 + k]}) ? top{k} : magnitude_bits({outputs[1 + k]});"
-               for k in tops]
+                                    [f"FO_SC{k}" for k in range(n_scalars)], flags)
+
+    def typed(text: str, lanes: bool) -> str:
+        """The traced text for sixteen lanes or one float: its statements' type, and each scalar as one (the
+        step's scalars held once per call, as a float and as lanes)."""
+        text = text.replace(cpp_twin.LANE_TYPE, "Lanes" if lanes else "float")
+        return re.sub(r"\bFO_SC(\d+)\b", r"vsc\1" if lanes else r"sc\1", text)
+
+    def writes(lanes: bool) -> list[str]:
+        out = [None if o is None else typed(o, lanes) for o in outputs]
+        put = (lambda ptr, value: f"fo_put({ptr} + i, {value});") if lanes else (lambda ptr, v: f"{ptr}[i] = {v};")
+        # the largest magnitude a state's store needs (a block's absmax), taken as its new values are written
+        # (no pass of its own)
+        top = "tops{k}" if lanes else "top{k}"
+        return ([put("P", out[0])] + [put(f"S{k}", out[1 + k]) for k in active]
+                + [f"{top.format(k=k)} = fo_top({top.format(k=k)}, {out[1 + k]});" for k in tops])
 
     constants, codec_lines, loads, stores, probes = [], [], [], [], []
     for k in active:
         constants += pieces[k].constants
         codec_lines += [pieces[k].codec] if pieces[k].codec else []
-        loads.append(pieces[k].load)
+        loads += [pieces[k].load] if pieces[k].load else []
         stores.append(pieces[k].store)
         probes += [pieces[k].probe] if pieces[k].probe else []
 
@@ -114,11 +125,17 @@ def kernel_source(update: Callable, flags: tuple, formats: tuple, n_scalars: int
 
     return native.assemble(
         "step_kernel.cpp", width=str(len(cols)), block=str(block), constants="\n".join(constants),
+        scalars=indent([f"const float sc{k} = sc[{k}]; const Lanes vsc{k} = Lanes{{}} + sc{k};"
+                        for k in range(n_scalars)], 4),
         codecs=indent(codec_lines, 4), arrays=" ".join(f"alignas(64) float S{k}[BLOCK];" for k in active),
-        tops=" ".join(f"uint32_t top{k} = 0;" for k in tops), loads=indent(loads, 8),
-        grad="G[i] * gm",
-        reads=indent([f"const float s{k}_ = S{k}[i];" for k in active], 12), body=indent(lines, 12),
-        writes=indent(writes, 12), stores=indent(stores, 8), probes=indent(probes, 4))
+        tops=" ".join(f"uint32_t top{k} = 0; LaneBits tops{k} = {{}};" for k in tops), loads=indent(loads, 8),
+        lane_reads=indent([f"const Lanes s{k}_ = {pieces[k].lanes or f'fo_lanes(S{k} + i)'};" for k in active], 12),
+        tails=indent([pieces[k].tail for k in active if pieces[k].tail], 8),
+        lane_body=indent([typed(line, True) for line in lines], 12), lane_writes=indent(writes(True), 12),
+        reads=indent([f"const float s{k}_ = S{k}[i];" for k in active], 12),
+        body=indent([typed(line, False) for line in lines], 12), writes=indent(writes(False), 12),
+        merge_tops=indent([f"top{k} = fo_top(top{k}, tops{k});" for k in tops], 8),
+        stores=indent(stores, 8), probes=indent(probes, 4))
 
 
 # --- building -------------------------------------------------------------------------------------------

@@ -17,9 +17,15 @@ PIECE = 256  # elements per kernel work item of a format without blocks of its o
 class CppPieces:
     """One state's part of the CPU kernel's source: file-scope ``constants``, the ``codec`` line made once per
     call, the ``load`` of a block into the fp32 array ``S<k>`` and its ``store`` back, and the codec's ``probe``
-    (its test hook). Lines of C++; empty where the format has none."""
+    (its test hook). Lines of C++; empty where the format has none.
+
+    A format whose elements decode on their own gives ``lanes``, an expression for the sixteen values from
+    element ``i`` on, read in the update's loop, and ``tail``, the load of elements ``[i, n)`` into ``S<k> + i``
+    (the block's last few, run one at a time); its ``load`` then only prepares them (no pass of its own)."""
     load: str
     store: str
+    lanes: str = ""
+    tail: str = ""
     constants: list[str] = field(default_factory=list)
     codec: str = ""
     probe: str = ""

@@ -32,7 +32,8 @@ class BF16(Codec):
 
     def cpp(self, k: int, fmt: Format, col: dict) -> CppPieces:
         ptr = f"reinterpret_cast<uint16_t*>(row[{col[f's{k}']}]) + at"
-        return CppPieces(load=f"bf16_load({ptr}, n, S{k});", store=f"bf16_store(S{k}, n, {ptr});")
+        return CppPieces(load="", lanes=f"bf16_lanes({ptr} + i)", tail=f"bf16_load({ptr} + i, n - i, S{k} + i);",
+                         store=f"bf16_store(S{k}, n, {ptr});")
 
     def triton_pointers(self, i: int, fmt: Format) -> list[tuple[str, str, bool]]:
         return [(f"s{i}_ptr", "tl.int16", True)]

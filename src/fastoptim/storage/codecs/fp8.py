@@ -126,9 +126,12 @@ class Fp8(BlockScaled):
         codes = f"reinterpret_cast<uint8_t*>(row[{col[f's{k}_codes']}]) + at"
         absmax = f"reinterpret_cast<float*>(row[{col[f's{k}_absmax']}])[r * nblocks + j]"
         encode, decode = f"minifloat_encode<{args}>", f"minifloat_decode<{args}>"
+        lanes = f"minifloat_lanes<{number.mantissa_bits}, {number.bias}, {str(number.signed).lower()}>"
         return CppPieces(
             codec=f"const Codec codec{k}{{}};",
-            load=f"{decode}({codes}, n, codec{k}, {absmax}, S{k});",
+            load=f"const float scale{k} = {absmax} / from_bits({number.max_bits}u);",
+            lanes=f"{lanes}({codes} + i, scale{k})",
+            tail=f"{decode}({codes} + i, n - i, codec{k}, {absmax}, S{k} + i);",
             store=(f"{{ const float amax = fp8_scale(from_bits(top{k})); "
                    f"{encode}(S{k}, n, amax == 0.0f ? 1.0f : amax, codec{k}, {codes}); {absmax} = amax; }}"),
             probe=f"if (k == {k}) fo_probe(Codec{{}}, {encode}, {decode}, x, n, codes, absmax, out, fp8_scale);",

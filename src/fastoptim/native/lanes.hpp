@@ -1,0 +1,126 @@
+// Sixteen fp32 lanes as one value (GCC's and Clang's vector extensions): the kernel's update runs on them with
+// the rule's own operators, each an IEEE operation in every lane, and the compiler lowers them to one AVX-512
+// register, two AVX2 registers, or plain scalar code, whatever the build. Every function here has a float twin
+// of the same name (common.hpp, or below), so one traced update compiles for a block's tail as well. Included
+// (inlined by native.assemble) into step_kernel.cpp, after common.hpp.
+#ifndef FO_LANES_HPP
+#define FO_LANES_HPP
+#include "common.hpp"
+
+constexpr int64_t LANES = 16;
+typedef float Lanes __attribute__((vector_size(64)));
+typedef uint32_t LaneBits __attribute__((vector_size(64)));
+typedef int32_t LaneMask __attribute__((vector_size(64)));  // a comparison's lanes: all ones where it holds
+
+static inline Lanes fo_lanes(const float* x) { Lanes v; std::memcpy(&v, x, sizeof v); return v; }
+static inline void fo_put(float* x, Lanes v) { std::memcpy(x, &v, sizeof v); }
+static inline LaneBits fo_bits(Lanes v) { return (LaneBits)v; }
+static inline Lanes fo_from_bits(LaneBits u) { return (Lanes)u; }
+static inline Lanes fo_select(LaneMask where, Lanes a, Lanes b) { return where ? a : b; }
+static inline LaneBits fo_select(LaneMask where, LaneBits a, LaneBits b) { return where ? a : b; }
+
+// sixteen bytes or 16-bit words widened to lanes of bits, and lanes' low bytes or words (compilers scalarise
+// __builtin_convertvector between these widths, so the conversions are spelled out where the build has them)
+static inline LaneBits fo_widen(const uint8_t* src) {
+#if defined(FO_AVX512)
+    return (LaneBits)_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
+#else
+    LaneBits out;
+    for (int k = 0; k < LANES; ++k) out[k] = src[k];
+    return out;
+#endif
+}
+static inline LaneBits fo_widen(const uint16_t* src) {
+#if defined(FO_AVX512)
+    return (LaneBits)_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
+#else
+    LaneBits out;
+    for (int k = 0; k < LANES; ++k) out[k] = src[k];
+    return out;
+#endif
+}
+static inline void fo_narrow(uint8_t* dst, LaneBits u) {
+#if defined(FO_AVX512)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm512_cvtepi32_epi8((__m512i)u));
+#else
+    for (int k = 0; k < LANES; ++k) dst[k] = (uint8_t)u[k];
+#endif
+}
+static inline void fo_narrow(uint16_t* dst, LaneBits u) {
+#if defined(FO_AVX512)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm512_cvtepi32_epi16((__m512i)u));
+#else
+    for (int k = 0; k < LANES; ++k) dst[k] = (uint16_t)u[k];
+#endif
+}
+
+static inline float fo_sqrt(float x) { return sqrtf(x); }
+static inline Lanes fo_sqrt(Lanes x) {
+#if defined(FO_AVX512)
+    return (Lanes)_mm512_sqrt_ps((__m512)x);
+#else
+    Lanes out;
+    for (int k = 0; k < LANES; ++k) out[k] = sqrtf(x[k]);
+    return out;
+#endif
+}
+
+// torch.sign: 0 for NaN and either zero
+static inline float fo_sign(float x) { return (float)((x > 0.0f) - (x < 0.0f)); }
+static inline Lanes fo_sign(Lanes x) {
+    const Lanes zero = {}, one = zero + 1.0f;
+    return fo_select(x > zero, one, zero) - fo_select(x < zero, one, zero);
+}
+
+// torch.maximum / torch.minimum: NaN wins (a + b is NaN where either is)
+static inline Lanes fo_maximum(Lanes a, Lanes b) { return fo_select((a != a) | (b != b), a + b, fo_select(a > b, a, b)); }
+static inline Lanes fo_minimum(Lanes a, Lanes b) { return fo_select((a != a) | (b != b), a + b, fo_select(a < b, a, b)); }
+static inline Lanes fo_maximum(Lanes a, float b) { return fo_maximum(a, Lanes{} + b); }
+static inline Lanes fo_maximum(float a, Lanes b) { return fo_maximum(Lanes{} + a, b); }
+static inline Lanes fo_minimum(Lanes a, float b) { return fo_minimum(a, Lanes{} + b); }
+static inline Lanes fo_minimum(float a, Lanes b) { return fo_minimum(Lanes{} + a, b); }
+
+// the largest magnitude's bits so far (integer max over |x|'s bits orders them as the values), per lane
+static inline uint32_t fo_top(uint32_t top, float x) { return top > magnitude_bits(x) ? top : magnitude_bits(x); }
+static inline LaneBits fo_max(LaneBits a, LaneBits b) {
+#if defined(FO_AVX512)
+    return (LaneBits)_mm512_max_epu32((__m512i)a, (__m512i)b);
+#else
+    return fo_select((LaneMask)(a > b), a, b);
+#endif
+}
+static inline LaneBits fo_min(LaneBits a, LaneBits b) {
+#if defined(FO_AVX512)
+    return (LaneBits)_mm512_min_epu32((__m512i)a, (__m512i)b);
+#else
+    return fo_select((LaneMask)(a < b), a, b);
+#endif
+}
+static inline LaneBits fo_top(LaneBits top, Lanes x) { return fo_max(top, fo_bits(x) & 0x7FFFFFFFu); }
+static inline uint32_t fo_top(uint32_t top, LaneBits lanes) {
+    for (int k = 0; k < LANES; ++k) top = top > lanes[k] ? top : lanes[k];
+    return top;
+}
+
+// bf16 <-> fp32 as torch converts: widening is exact; narrowing rounds to nearest even, NaN stays quiet NaN
+static inline Lanes bf16_lanes(const uint16_t* src) { return fo_from_bits(fo_widen(src) << 16); }
+static inline void bf16_load(const uint16_t* src, int64_t n, float* out) {
+    int64_t i = 0;
+    for (; i + LANES <= n; i += LANES) fo_put(out + i, bf16_lanes(src + i));
+    for (; i < n; ++i) out[i] = from_bits((uint32_t)src[i] << 16);
+}
+static inline void bf16_store(const float* in, int64_t n, uint16_t* dst) {
+    int64_t i = 0;
+    for (; i + LANES <= n; i += LANES) {
+        const Lanes x = fo_lanes(in + i);
+        const LaneBits u = fo_bits(x);
+        const LaneBits rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+        fo_narrow(dst + i, fo_select((LaneMask)(x != x), LaneBits{} + 0x7FC0u, rounded));
+    }
+    for (; i < n; ++i) {
+        uint32_t u; std::memcpy(&u, in + i, 4);
+        const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+        dst[i] = in[i] != in[i] ? (uint16_t)0x7FC0 : (uint16_t)rounded;
+    }
+}
+#endif  // FO_LANES_HPP
