@@ -110,7 +110,9 @@ MUTATIONS = [
     Mutation("cpu_kernel_bf16_store_truncates",
              tuple(Site(file, "const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;",
                         "const uint32_t rounded = u >> 16;")
-                   for file in (OLD_CPU_KERNELS, "src/fastoptim/native/common.hpp")),
+                   for file in (OLD_CPU_KERNELS, "src/fastoptim/native/common.hpp"))
+             + (Site("src/fastoptim/native/lanes.hpp", "const LaneBits rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;",
+                     "const LaneBits rounded = u >> 16;"),),
              "CPU kernel stores 16-bit state truncated, not rounded to nearest even", LOW_BIT),
     Mutation("wsd_linear_1_percent",
              (Site("src/fastoptim/schedules.py", '"linear": lambda t: 1 - t,', '"linear": lambda t: 1 - 1.01 * t,'),),

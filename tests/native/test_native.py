@@ -17,7 +17,8 @@ needs_compiler = pytest.mark.skipif(native.compiler() is None, reason="no C++ co
 def test_sources_are_the_package_files_and_headers_are_inlined_once():
     assert native.source_dir() == os.path.dirname(native.__file__)
     slots = dict(width="5", block="256", constants="", scalars="", codecs="", arrays="", tops="", loads="",
-                 lane_reads="", lane_body="", lane_writes="", tails="", reads="", body="", writes="", merge_tops="",
+                 lane_reads="", lane_body="", lane_writes="", tails="",
+                 deferred_decls="", deferred_lanes="", deferred_rest="", deferred_finish="", deferred_flush="", reads="", body="", writes="", merge_tops="",
                  stores="", probes="")
     source = native.assemble("step_kernel.cpp", **slots)
     assert '#include "' not in source  # the headers inlined, so the cache key covers them

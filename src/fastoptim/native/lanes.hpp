@@ -109,18 +109,14 @@ static inline void bf16_load(const uint16_t* src, int64_t n, float* out) {
     for (; i + LANES <= n; i += LANES) fo_put(out + i, bf16_lanes(src + i));
     for (; i < n; ++i) out[i] = from_bits((uint32_t)src[i] << 16);
 }
-static inline void bf16_store(const float* in, int64_t n, uint16_t* dst) {
-    int64_t i = 0;
-    for (; i + LANES <= n; i += LANES) {
-        const Lanes x = fo_lanes(in + i);
-        const LaneBits u = fo_bits(x);
-        const LaneBits rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
-        fo_narrow(dst + i, fo_select((LaneMask)(x != x), LaneBits{} + 0x7FC0u, rounded));
-    }
-    for (; i < n; ++i) {
-        uint32_t u; std::memcpy(&u, in + i, 4);
-        const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
-        dst[i] = in[i] != in[i] ? (uint16_t)0x7FC0 : (uint16_t)rounded;
-    }
+static inline void bf16_put(uint16_t* dst, Lanes x) {
+    const LaneBits u = fo_bits(x);
+    const LaneBits rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+    fo_narrow(dst, fo_select((LaneMask)(x != x), LaneBits{} + 0x7FC0u, rounded));
+}
+static inline void bf16_put(uint16_t* dst, float x) {
+    uint32_t u; std::memcpy(&u, &x, 4);
+    const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+    *dst = x != x ? (uint16_t)0x7FC0 : (uint16_t)rounded;
 }
 #endif  // FO_LANES_HPP

@@ -22,6 +22,11 @@ extern "C" void fo_step(const int64_t* table, int64_t n_tensors, int64_t begin, 
     (void)gm; (void)maps; (void)sc;
 ${scalars}
 ${codecs}
+    // the block-scaled states' last block, its codes written while the update runs over the next (Deferred)
+${deferred_decls}
+    int64_t n_last = 0;
+    int cur = 0;
+    (void)cur;
     // the block walk: tensor t, row r, block j of the row (one division, at the start)
     int64_t t = 0;
     while (t + 1 < n_tensors && table[(t + 1) * WIDTH] <= begin) ++t;
@@ -44,6 +49,15 @@ ${loads}
 ${lane_reads}
 ${lane_body}
 ${lane_writes}
+            if (i + LANES <= n_last) {
+${deferred_lanes}
+            }
+        }
+        {  // the last block's codes that the loop did not write
+            const int64_t lanes_end = i;
+            i = lanes_end < (n_last & -LANES) ? lanes_end : (n_last & -LANES);
+${deferred_rest}
+            i = lanes_end;
         }
 ${tails}
         for (; i < n; ++i) {
@@ -55,6 +69,9 @@ ${writes}
         }
 ${merge_tops}
 ${stores}
+${deferred_finish}
+        n_last = n;
+        cur ^= 1;
         if (++j == nblocks) {  // the next block: the row's next, the next row's first, or the next tensor's first
             j = 0;
             if (++r == row[ROWS] && t + 1 < n_tensors) {
@@ -64,6 +81,11 @@ ${stores}
                 nblocks = (length + BLOCK - 1) / BLOCK;
             }
         }
+    }
+    {  // the last block's codes
+        const int64_t i = 0;
+        (void)i;
+${deferred_flush}
     }
 }
 

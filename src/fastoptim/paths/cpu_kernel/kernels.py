@@ -103,21 +103,29 @@ def kernel_source(update: Callable, flags: tuple, formats: tuple, n_scalars: int
         text = text.replace(cpp_twin.LANE_TYPE, "Lanes" if lanes else "float")
         return re.sub(r"\bFO_SC(\d+)\b", r"vsc\1" if lanes else r"sc\1", text)
 
+    deferred = [k for k in active if pieces[k].deferred]
+
     def writes(lanes: bool) -> list[str]:
         out = [None if o is None else typed(o, lanes) for o in outputs]
         put = (lambda ptr, value: f"fo_put({ptr} + i, {value});") if lanes else (lambda ptr, v: f"{ptr}[i] = {v};")
-        # the largest magnitude a state's store needs (a block's absmax), taken as its new values are written
-        # (no pass of its own)
+        # each state put as it is computed, or kept for its store; the largest magnitude a store needs (a
+        # block's absmax) taken as the new values are written (no pass of its own)
         top = "tops{k}" if lanes else "top{k}"
-        return ([put("P", out[0])] + [put(f"S{k}", out[1 + k]) for k in active]
+        return ([put("P", out[0])]
+                + [pieces[k].put.format(x=out[1 + k]) if pieces[k].put else put(f"S{k}", out[1 + k]) for k in active]
                 + [f"{top.format(k=k)} = fo_top({top.format(k=k)}, {out[1 + k]});" for k in tops])
+
+    def arrays(k: int) -> str:
+        if pieces[k].deferred is None:
+            return f"alignas(64) float S{k}[BLOCK];"
+        return f"float* __restrict__ S{k} = Q{k}[cur]; const float* __restrict__ last{k} = Q{k}[cur ^ 1];"
 
     constants, codec_lines, loads, stores, probes = [], [], [], [], []
     for k in active:
         constants += pieces[k].constants
         codec_lines += [pieces[k].codec] if pieces[k].codec else []
         loads += [pieces[k].load] if pieces[k].load else []
-        stores.append(pieces[k].store)
+        stores += [pieces[k].store] if pieces[k].store else []
         probes += [pieces[k].probe] if pieces[k].probe else []
 
     def indent(items, depth):
@@ -127,7 +135,13 @@ def kernel_source(update: Callable, flags: tuple, formats: tuple, n_scalars: int
         "step_kernel.cpp", width=str(len(cols)), block=str(block), constants="\n".join(constants),
         scalars=indent([f"const float sc{k} = sc[{k}]; const Lanes vsc{k} = Lanes{{}} + sc{k};"
                         for k in range(n_scalars)], 4),
-        codecs=indent(codec_lines, 4), arrays=" ".join(f"alignas(64) float S{k}[BLOCK];" for k in active),
+        codecs=indent(codec_lines, 4), arrays=" ".join(arrays(k) for k in active),
+        deferred_decls=indent([f"alignas(64) float Q{k}[2][BLOCK]; {pieces[k].deferred.decls}" for k in deferred], 4),
+        deferred_lanes=indent([pieces[k].deferred.lanes for k in deferred], 16),
+        deferred_rest=indent([pieces[k].deferred.rest for k in deferred], 12),
+        deferred_finish=indent([pieces[k].deferred.finish for k in deferred], 8),
+        deferred_flush=indent([f"const float* last{k} = Q{k}[cur ^ 1]; {pieces[k].deferred.rest}" for k in deferred],
+                              8),
         tops=" ".join(f"uint32_t top{k} = 0; LaneBits tops{k} = {{}};" for k in tops), loads=indent(loads, 8),
         lane_reads=indent([f"const Lanes s{k}_ = {pieces[k].lanes or f'fo_lanes(S{k} + i)'};" for k in active], 12),
         tails=indent([pieces[k].tail for k in active if pieces[k].tail], 8),

@@ -33,7 +33,7 @@ class BF16(Codec):
     def cpp(self, k: int, fmt: Format, col: dict) -> CppPieces:
         ptr = f"reinterpret_cast<uint16_t*>(row[{col[f's{k}']}]) + at"
         return CppPieces(load="", lanes=f"bf16_lanes({ptr} + i)", tail=f"bf16_load({ptr} + i, n - i, S{k} + i);",
-                         store=f"bf16_store(S{k}, n, {ptr});")
+                         put=f"bf16_put({ptr} + i, {{x}});")
 
     def triton_pointers(self, i: int, fmt: Format) -> list[tuple[str, str, bool]]:
         return [(f"s{i}_ptr", "tl.int16", True)]

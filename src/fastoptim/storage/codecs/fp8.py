@@ -22,7 +22,7 @@ from torch import Tensor
 
 from .. import quant
 from ..state import Format
-from .base import CppPieces
+from .base import CppPieces, Deferred
 from .blockwise import BlockScaled
 
 
@@ -132,8 +132,14 @@ class Fp8(BlockScaled):
             load=f"const float scale{k} = {absmax} / from_bits({number.max_bits}u);",
             lanes=f"{lanes}({codes} + i, scale{k})",
             tail=f"{decode}({codes} + i, n - i, codec{k}, {absmax}, S{k} + i);",
-            store=(f"{{ const float amax = fp8_scale(from_bits(top{k})); "
-                   f"{encode}(S{k}, n, amax == 0.0f ? 1.0f : amax, codec{k}, {codes}); {absmax} = amax; }}"),
+            deferred=Deferred(
+                decls=f"uint8_t* last_codes{k} = nullptr; float last_divisor{k} = 1.0f, last_inv{k} = 1.0f;",
+                finish=(f"{{ const float amax = fp8_scale(from_bits(top{k})); {absmax} = amax; "
+                        f"last_divisor{k} = amax == 0.0f ? 1.0f : amax; "
+                        f"last_inv{k} = from_bits({number.max_bits}u) / last_divisor{k}; last_codes{k} = {codes}; }}"),
+                lanes=(f"fo_narrow(last_codes{k} + i, minifloat_code_lanes<{args}>(fo_lanes(last{k} + i), "
+                       f"last_inv{k}));"),
+                rest=f"{encode}(last{k} + i, n_last - i, last_divisor{k}, codec{k}, last_codes{k} + i);"),
             probe=f"if (k == {k}) fo_probe(Codec{{}}, {encode}, {decode}, x, n, codes, absmax, out, fp8_scale);",
             top=True)
 
