@@ -1,16 +1,22 @@
-// Sixteen fp32 lanes as one value (GCC's and Clang's vector extensions): the kernel's update runs on them with
-// the rule's own operators, each an IEEE operation in every lane, and the compiler lowers them to one AVX-512
-// register, two AVX2 registers, or plain scalar code, whatever the build. Every function here has a float twin
+// One vector register's fp32 lanes as one value (GCC's and Clang's vector extensions: 16 lanes with AVX-512, 8
+// with AVX2, 4 else): the kernel's update runs on them with the rule's own operators, each an IEEE operation in
+// every lane. Every function here has a float twin
 // of the same name (common.hpp, or below), so one traced update compiles for a block's tail as well. Included
 // (inlined by native.assemble) into step_kernel.cpp, after common.hpp.
 #ifndef FO_LANES_HPP
 #define FO_LANES_HPP
 #include "common.hpp"
 
+#if defined(FO_AVX512)
 constexpr int64_t LANES = 16;
-typedef float Lanes __attribute__((vector_size(64)));
-typedef uint32_t LaneBits __attribute__((vector_size(64)));
-typedef int32_t LaneMask __attribute__((vector_size(64)));  // a comparison's lanes: all ones where it holds
+#elif defined(FO_AVX2)
+constexpr int64_t LANES = 8;
+#else
+constexpr int64_t LANES = 4;
+#endif
+typedef float Lanes __attribute__((vector_size(4 * LANES)));
+typedef uint32_t LaneBits __attribute__((vector_size(4 * LANES)));
+typedef int32_t LaneMask __attribute__((vector_size(4 * LANES)));  // a comparison's lanes: all ones where it holds
 
 static inline Lanes fo_lanes(const float* x) { Lanes v; std::memcpy(&v, x, sizeof v); return v; }
 static inline void fo_put(float* x, Lanes v) { std::memcpy(x, &v, sizeof v); }
@@ -19,11 +25,13 @@ static inline Lanes fo_from_bits(LaneBits u) { return (Lanes)u; }
 static inline Lanes fo_select(LaneMask where, Lanes a, Lanes b) { return where ? a : b; }
 static inline LaneBits fo_select(LaneMask where, LaneBits a, LaneBits b) { return where ? a : b; }
 
-// sixteen bytes or 16-bit words widened to lanes of bits, and lanes' low bytes or words (compilers scalarise
+// bytes or 16-bit words widened to lanes of bits, and lanes' low bytes or words (compilers scalarise
 // __builtin_convertvector between these widths, so the conversions are spelled out where the build has them)
 static inline LaneBits fo_widen(const uint8_t* src) {
 #if defined(FO_AVX512)
     return (LaneBits)_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
+#elif defined(FO_AVX2)
+    return (LaneBits)_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src)));
 #else
     LaneBits out;
     for (int k = 0; k < LANES; ++k) out[k] = src[k];
@@ -33,15 +41,21 @@ static inline LaneBits fo_widen(const uint8_t* src) {
 static inline LaneBits fo_widen(const uint16_t* src) {
 #if defined(FO_AVX512)
     return (LaneBits)_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
+#elif defined(FO_AVX2)
+    return (LaneBits)_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
 #else
     LaneBits out;
     for (int k = 0; k < LANES; ++k) out[k] = src[k];
     return out;
 #endif
 }
+// (AVX2: by saturating packs, so each lane must already fit: codes, bf16 words)
 static inline void fo_narrow(uint8_t* dst, LaneBits u) {
 #if defined(FO_AVX512)
     _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm512_cvtepi32_epi8((__m512i)u));
+#elif defined(FO_AVX2)
+    const __m128i words = _mm_packus_epi32(_mm256_castsi256_si128((__m256i)u), _mm256_extracti128_si256((__m256i)u, 1));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(dst), _mm_packus_epi16(words, words));
 #else
     for (int k = 0; k < LANES; ++k) dst[k] = (uint8_t)u[k];
 #endif
@@ -49,6 +63,9 @@ static inline void fo_narrow(uint8_t* dst, LaneBits u) {
 static inline void fo_narrow(uint16_t* dst, LaneBits u) {
 #if defined(FO_AVX512)
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm512_cvtepi32_epi16((__m512i)u));
+#elif defined(FO_AVX2)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst),
+                     _mm_packus_epi32(_mm256_castsi256_si128((__m256i)u), _mm256_extracti128_si256((__m256i)u, 1)));
 #else
     for (int k = 0; k < LANES; ++k) dst[k] = (uint16_t)u[k];
 #endif
@@ -58,6 +75,8 @@ static inline float fo_sqrt(float x) { return sqrtf(x); }
 static inline Lanes fo_sqrt(Lanes x) {
 #if defined(FO_AVX512)
     return (Lanes)_mm512_sqrt_ps((__m512)x);
+#elif defined(FO_AVX2)
+    return (Lanes)_mm256_sqrt_ps((__m256)x);
 #else
     Lanes out;
     for (int k = 0; k < LANES; ++k) out[k] = sqrtf(x[k]);
@@ -85,6 +104,8 @@ static inline uint32_t fo_top(uint32_t top, float x) { return top > magnitude_bi
 static inline LaneBits fo_max(LaneBits a, LaneBits b) {
 #if defined(FO_AVX512)
     return (LaneBits)_mm512_max_epu32((__m512i)a, (__m512i)b);
+#elif defined(FO_AVX2)
+    return (LaneBits)_mm256_max_epu32((__m256i)a, (__m256i)b);
 #else
     return fo_select((LaneMask)(a > b), a, b);
 #endif
@@ -92,6 +113,8 @@ static inline LaneBits fo_max(LaneBits a, LaneBits b) {
 static inline LaneBits fo_min(LaneBits a, LaneBits b) {
 #if defined(FO_AVX512)
     return (LaneBits)_mm512_min_epu32((__m512i)a, (__m512i)b);
+#elif defined(FO_AVX2)
+    return (LaneBits)_mm256_min_epu32((__m256i)a, (__m256i)b);
 #else
     return fo_select((LaneMask)(a < b), a, b);
 #endif

@@ -1,6 +1,6 @@
 // 8-bit floating-point codes with a per-block scale (storage/codecs/fp8.py): encoded by integer operations on the
 // bits (exponent rebias, round half to even by a bias and a mask, saturate), decoded the same way, so no table in
-// memory. Written on sixteen lanes (lanes.hpp), each lane's bits the scalar formula's; a block's last few codes
+// memory. Written on lanes (lanes.hpp), each lane's bits the scalar formula's; a block's last few codes
 // one at a time. Included into step_kernel.cpp after codec.hpp; Minifloat's docstring in fp8.py states the format
 // these functions must match bit for bit.
 #ifndef FO_MINIFLOAT_HPP
@@ -20,7 +20,7 @@ struct MinifloatBits {
     static constexpr uint32_t REBIAS = (uint32_t)(127 - BIAS) << 23;  // the decoder's
 };
 
-// sixteen codes of x * inv (inv: MAXV over the block's divisor), one a lane
+// the codes of x * inv (inv: MAXV over the block's divisor), one a lane
 template <int M, int BIAS, uint32_t MAXBITS, bool SIGNED>
 static inline LaneBits minifloat_code_lanes(Lanes x, float inv) {
     using F = MinifloatBits<M, BIAS>;
@@ -38,7 +38,7 @@ static inline LaneBits minifloat_code_lanes(Lanes x, float inv) {
     return code;
 }
 
-// the values of sixteen codes times scale (the block's absmax over MAXV)
+// the values of a lanes' worth of codes times scale (the block's absmax over MAXV)
 template <int M, int BIAS, bool SIGNED>
 static inline Lanes minifloat_lanes(const uint8_t* c, float scale) {
     using F = MinifloatBits<M, BIAS>;

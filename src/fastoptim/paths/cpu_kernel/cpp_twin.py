@@ -2,7 +2,7 @@
 
 ``update`` uses arithmetic operators and ``prims`` only (the rule contract), and its FLAGS are Python
 booleans, so running it on ``Sym`` values records exactly the operations the loop level performs, in the
-same order. Each becomes one C++ statement on a type the kernel chooses (``LANE_TYPE``: sixteen fp32 lanes,
+same order. Each becomes one C++ statement on a type the kernel chooses (``LANE_TYPE``: a register's fp32 lanes,
 ``native/lanes.hpp``, or one ``float``): with FMA contraction off, IEEE division and square root, every
 operation is rounded once, correctly, so the C++ twin gives the rule's IEEE fp32 math
 exactly (torch's CPU ``sqrt`` is off by an ulp in some lanes; its other operators agree). Scalars (a Python
@@ -17,7 +17,7 @@ from typing import Callable
 from ... import native
 
 _literal = native.float_literal  # shared with the codecs' C++ hooks
-LANE_TYPE = "FO_T"  # each statement's type: the kernel fills in ``Lanes`` (sixteen at a time) or ``float``
+LANE_TYPE = "FO_T"  # each statement's type: the kernel fills in ``Lanes`` (a register's worth) or ``float``
 
 
 class Sym:

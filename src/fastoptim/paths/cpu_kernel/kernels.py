@@ -98,7 +98,7 @@ def kernel_source(update: Callable, flags: tuple, formats: tuple, n_scalars: int
                                     [f"FO_SC{k}" for k in range(n_scalars)], flags)
 
     def typed(text: str, lanes: bool) -> str:
-        """The traced text for sixteen lanes or one float: its statements' type, and each scalar as one (the
+        """The traced text for lanes or one float: its statements' type, and each scalar as one (the
         step's scalars held once per call, as a float and as lanes)."""
         text = text.replace(cpp_twin.LANE_TYPE, "Lanes" if lanes else "float")
         return re.sub(r"\bFO_SC(\d+)\b", r"vsc\1" if lanes else r"sc\1", text)

@@ -19,11 +19,10 @@ class CppPieces:
     call, the ``load`` of a block into the fp32 array ``S<k>`` and its ``store`` back, and the codec's ``probe``
     (its test hook). Lines of C++; empty where the format has none.
 
-    A format whose elements decode on their own gives ``lanes``, an expression for the sixteen values from
-    element ``i`` on, read in the update's loop, and ``tail``, the load of elements ``[i, n)`` into ``S<k> + i``
+    A format whose elements decode on their own gives ``lanes``, an expression for the values from element
+    ``i`` on (one register's lanes), read in the update's loop, and ``tail``, the load of elements ``[i, n)`` into ``S<k> + i``
     (the block's last few, run one at a time); its ``load`` then only prepares them (no pass of its own). One
-    whose elements also encode on their own gives ``put``, a statement that stores ``{x}`` (sixteen lanes or one
-    float) at element ``i`` as the update computes it, and no ``store``. A block-scaled one gives ``deferred``
+    whose elements also encode on their own gives ``put``, a statement that stores ``{x}`` (lanes or one float) at element ``i`` as the update computes it, and no ``store``. A block-scaled one gives ``deferred``
     instead of ``store``: its codes are written while the update runs over the next block."""
     load: str
     store: str = ""
@@ -40,10 +39,10 @@ class CppPieces:
 @dataclass
 class Deferred:
     """A block-scaled state's store, put off by one block: its encode (which needs the block's absmax, so the
-    update's whole pass first) runs sixteen lanes at a time inside the next block's update loop, where the
+    update's whole pass first) runs a register's lanes at a time inside the next block's update loop, where the
     update's divisions leave the vector units idle. The kernel keeps the last block's new values in
     ``last<k>`` (``n_last`` of them) and runs ``finish`` after each block's update (its absmax written, the
-    codec's own ``last_*`` variables set for that block), ``lanes`` for elements ``[i, i + 16)`` of the last
+    codec's own ``last_*`` variables set for that block), ``lanes`` for elements ``[i, i + LANES)`` of the last
     block, ``rest`` for its elements ``[i, n_last)``. ``decls``: the codec's ``last_*`` variables."""
     decls: str
     finish: str
