@@ -490,6 +490,28 @@ def test_every_code_decodes_to_its_map_value_times_absmax(build):
             assert torch.equal(values, fmt.qmap.table()[index] * absmax), fmt.tag
 
 
+@pytest.mark.parametrize("bits", [key for key in storage.codecs.keys()
+                                  if storage.codecs.for_bits(key).quantized and storage.codecs.for_bits(key).bits == 8])
+def test_every_8_bit_code_decodes_as_the_codec_decodes_it_at_any_scale(build, bits):
+    """All 256 codes, codes the encoder never gives included (fp8's F16C decode places each code as an fp16
+    number), at scales whose products underflow, overflow or are exact."""
+    import ctypes
+
+    lib, formats = _codec_kernel(bits)
+    _, maps = cpu_kernels._map_pointers(formats)
+    for k, fmt in enumerate(formats[:2]):
+        n = fmt.block
+        codes = torch.arange(256, dtype=torch.uint8).repeat(n // 256)
+        for scale in (0.37, 1.0, 3e-38, 1e-45, 3e38, 0.0):
+            absmax = torch.tensor([scale])
+            values = torch.zeros(n)
+            lib.fo_codec(maps, k, None, n, ctypes.c_void_p(codes.data_ptr()), ctypes.c_void_p(absmax.data_ptr()),
+                         ctypes.c_void_p(values.data_ptr()))
+            want = storage.codecs.of(fmt).decode_span(codes.reshape(1, n), absmax.reshape(1, 1), fmt)
+            torch.testing.assert_close(values, want.reshape(-1), rtol=0, atol=0, equal_nan=True,
+                                       msg=lambda m: f"{fmt.tag} at absmax {scale}: {m}")
+
+
 @pytest.mark.parametrize("bits", STORED)
 def test_each_build_steps_byte_for_byte_like_the_oracle(build, bits):
     """The whole step (not only the codec) in each build, for two rules whose states use both maps."""
