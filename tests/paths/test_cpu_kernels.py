@@ -129,6 +129,54 @@ def test_the_kernel_gives_the_rules_ieee_math_on_the_stored_values_byte_for_byte
                 _assert_stored_equal(opt.state[p][state_name], value, f"step {step + 1}: {state_name} of {tuple(p.shape)}")
 
 
+@pytest.mark.parametrize("bits", STORED)
+def test_a_negative_zero_scalar_is_negative_zero_in_every_lane(bits):
+    """lr = -0.0 (which SGD takes): -0.0 - lr * g is +0.0, as the loop level and torch give it, in the elements
+    the kernel runs on lanes as in a row's last few (a broadcast that adds 0 makes the scalar +0.0)."""
+    results = {}
+    for impl in ("fused", "loop"):
+        p = torch.nn.Parameter(torch.full((2, 40), -0.0))
+        opt = fastoptim.SGD([p], impl=impl, state_bits=bits, min_quant_size=0, lr=-0.0, momentum=0.9)
+        p.grad = torch.ones(2, 40)
+        with record_paths() as paths:
+            opt.step()
+        assert ("cpu_kernel" in paths) == (impl == "fused"), paths
+        results[impl] = torch.signbit(p.detach())
+    assert torch.equal(results["fused"], results["loop"]) and not results["loop"].any()
+
+
+def _sgd_returning(state):
+    """SGD's update with its momentum buffer set to ``state`` (a number, or the name of a scalar)."""
+    def update(p, g, momentum_buffer, lr, momentum, weight_decay, buffer_decay, grad_weight,
+               MAXIMIZE, WEIGHT_DECAY, MOMENTUM, NESTEROV):
+        return p - lr * g, momentum if state == "momentum" else state
+    return update
+
+
+@pytest.mark.parametrize("state", [0.5, -0.0, "momentum"])
+@pytest.mark.parametrize("bits", STORED)
+def test_a_rule_that_returns_a_number_for_a_state_gets_it_in_every_element(bits, state, monkeypatch):
+    """A rule may return a number (or a step scalar) for a state: each lane takes it, not only the first, and the
+    kernel builds for it (no staged fallback)."""
+    monkeypatch.setattr(OPTIMIZERS["sgd"].cls.rule, "update", staticmethod(_sgd_returning(state)))
+    values = {}
+    for impl in ("fused", "loop"):
+        p = torch.nn.Parameter(torch.ones(3, 40))
+        opt = fastoptim.SGD([p], impl=impl, state_bits=bits, min_quant_size=0, lr=0.1, momentum=0.9)
+        for _ in range(2):
+            p.grad = torch.ones(3, 40)
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")  # a kernel that would not build warns and runs staged
+                with record_paths() as paths:
+                    opt.step()
+        assert paths == (["cpu_kernel"] if impl == "fused" else ["loop"]), paths
+        buffer = opt.state[p]["momentum_buffer"]
+        values[impl] = buffer if isinstance(buffer, torch.Tensor) else storage.load(buffer, p.detach())
+    assert torch.equal(values["fused"].float().view(torch.int32), values["loop"].float().view(torch.int32))
+    want = torch.full((3, 40), 0.9 if state == "momentum" else state)  # as the state's format stores it
+    torch.testing.assert_close(values["loop"].float(), want, rtol=1e-2, atol=0)
+
+
 class _CountingKernel:
     """A built kernel whose entry points count their calls."""
 

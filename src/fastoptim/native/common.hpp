@@ -26,7 +26,8 @@ static inline float fo_maximum(float a, float b) { return (a != a || b != b) ? a
 static inline float fo_minimum(float a, float b) { return (a != a || b != b) ? a + b : (a < b ? a : b); }
 
 // |x|'s bits: integer max over them orders them as the values (NaN above inf), so it finds the block's absmax
-static inline uint32_t magnitude_bits(float x) { uint32_t u; std::memcpy(&u, &x, 4); return u & 0x7FFFFFFFu; }
+static inline uint32_t float_bits(float x) { uint32_t u; std::memcpy(&u, &x, 4); return u; }
+static inline uint32_t magnitude_bits(float x) { return float_bits(x) & 0x7FFFFFFFu; }
 static inline float from_bits(uint32_t u) { float x; std::memcpy(&x, &u, 4); return x; }
 
 #endif  // FO_COMMON_HPP

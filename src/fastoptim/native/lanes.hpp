@@ -71,6 +71,9 @@ static inline void fo_narrow(uint16_t* dst, LaneBits u) {
 #endif
 }
 
+// x in every lane, exactly (not 0 + x: that turns -0.0 into +0.0)
+static inline Lanes fo_splat(float x) { return x - Lanes{}; }
+
 static inline float fo_sqrt(float x) { return sqrtf(x); }
 static inline Lanes fo_sqrt(Lanes x) {
 #if defined(FO_AVX512)
@@ -94,10 +97,10 @@ static inline Lanes fo_sign(Lanes x) {
 // torch.maximum / torch.minimum: NaN wins (a + b is NaN where either is)
 static inline Lanes fo_maximum(Lanes a, Lanes b) { return fo_select((a != a) | (b != b), a + b, fo_select(a > b, a, b)); }
 static inline Lanes fo_minimum(Lanes a, Lanes b) { return fo_select((a != a) | (b != b), a + b, fo_select(a < b, a, b)); }
-static inline Lanes fo_maximum(Lanes a, float b) { return fo_maximum(a, Lanes{} + b); }
-static inline Lanes fo_maximum(float a, Lanes b) { return fo_maximum(Lanes{} + a, b); }
-static inline Lanes fo_minimum(Lanes a, float b) { return fo_minimum(a, Lanes{} + b); }
-static inline Lanes fo_minimum(float a, Lanes b) { return fo_minimum(Lanes{} + a, b); }
+static inline Lanes fo_maximum(Lanes a, float b) { return fo_maximum(a, fo_splat(b)); }
+static inline Lanes fo_maximum(float a, Lanes b) { return fo_maximum(fo_splat(a), b); }
+static inline Lanes fo_minimum(Lanes a, float b) { return fo_minimum(a, fo_splat(b)); }
+static inline Lanes fo_minimum(float a, Lanes b) { return fo_minimum(fo_splat(a), b); }
 
 // the largest magnitude's bits so far (integer max over |x|'s bits orders them as the values), per lane
 static inline uint32_t fo_top(uint32_t top, float x) { return top > magnitude_bits(x) ? top : magnitude_bits(x); }

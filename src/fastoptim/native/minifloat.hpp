@@ -29,11 +29,12 @@ static inline LaneBits minifloat_code_lanes(Lanes x, float inv) {
     const LaneBits normal = (mag + F::BIAS_ADD + ((mag >> F::SHIFT) & 1u)) >> F::SHIFT;
     const LaneBits sub = fo_bits(fo_from_bits(mag) + from_bits(F::MAGIC)) - F::MAGIC;
     LaneBits code = fo_select((LaneMask)(mag < F::FIRST_NORMAL), sub, normal);
+    const LaneBits sign = fo_bits(x) >> 31;  // x's (a NaN product's sign depends on operand order)
     if (SIGNED) {
-        code |= (u >> 24) & 0x80u;
+        code |= sign << 7;
     } else {  // (x * inv may underflow)
         code = fo_select((LaneMask)(code == 0u) & (LaneMask)(x > Lanes{}), LaneBits{} + 1u, code);
-        code = fo_select((LaneMask)((u >> 31) != 0u), LaneBits{}, code);
+        code = fo_select((LaneMask)(sign != 0u), LaneBits{}, code);
     }
     return code;
 }
@@ -99,10 +100,11 @@ static inline void minifloat_encode(const float* x, int64_t n, float divisor, co
         const uint32_t normal = (mag + F::BIAS_ADD + ((mag >> F::SHIFT) & 1u)) >> F::SHIFT;
         uint32_t sub; const float shifted = from_bits(mag) + from_bits(F::MAGIC); std::memcpy(&sub, &shifted, 4);
         uint32_t code = mag < F::FIRST_NORMAL ? sub - F::MAGIC : normal;
+        const uint32_t sign = float_bits(x[i]) >> 31;  // x's (a NaN product's sign depends on operand order)
         if (SIGNED) {
-            code |= (u >> 24) & 0x80u;
+            code |= sign << 7;
         } else {
-            code = (u >> 31) ? 0u : (code == 0u && x[i] > 0.0f ? 1u : code);  // (x * inv may underflow)
+            code = sign ? 0u : (code == 0u && x[i] > 0.0f ? 1u : code);  // (x * inv may underflow)
         }
         c[i] = (uint8_t)code;
     }

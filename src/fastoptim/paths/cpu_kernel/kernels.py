@@ -105,8 +105,12 @@ def kernel_source(update: Callable, flags: tuple, formats: tuple, n_scalars: int
 
     deferred = [k for k in active if pieces[k].deferred]
 
+    def lane_value(text: str) -> str:
+        """An output as lanes: a traced value is one already; a number the rule returned is not."""
+        return text if re.fullmatch(r"t\d+|p_|g_|s\d+_|vsc\d+", text) else f"fo_splat({text})"
+
     def writes(lanes: bool) -> list[str]:
-        out = [None if o is None else typed(o, lanes) for o in outputs]
+        out = [None if o is None else lane_value(typed(o, True)) if lanes else typed(o, False) for o in outputs]
         put = (lambda ptr, value: f"fo_put({ptr} + i, {value});") if lanes else (lambda ptr, v: f"{ptr}[i] = {v};")
         # each state put as it is computed, or kept for its store; the largest magnitude a store needs (a
         # block's absmax) taken as the new values are written (no pass of its own)
@@ -133,7 +137,7 @@ def kernel_source(update: Callable, flags: tuple, formats: tuple, n_scalars: int
 
     return native.assemble(
         "step_kernel.cpp", width=str(len(cols)), block=str(block), constants="\n".join(constants),
-        scalars=indent([f"const float sc{k} = sc[{k}]; const Lanes vsc{k} = Lanes{{}} + sc{k};"
+        scalars=indent([f"const float sc{k} = sc[{k}]; const Lanes vsc{k} = fo_splat(sc{k});"
                         for k in range(n_scalars)], 4),
         codecs=indent(codec_lines, 4), arrays=" ".join(arrays(k) for k in active),
         deferred_decls=indent([f"alignas(64) float Q{k}[2][BLOCK]; {pieces[k].deferred.decls}" for k in deferred], 4),

@@ -47,9 +47,11 @@ class Minifloat:
     def max_bits(self) -> int:
         return int(torch.tensor(self.max_value, dtype=torch.float32).view(torch.int32))
 
-    def encode(self, y: Tensor, positive: Tensor | None = None) -> Tensor:
+    def encode(self, y: Tensor, positive: Tensor | None = None, negative: Tensor | None = None) -> Tensor:
         """int32 codes of fp32 ``y``, by the integer operations every kernel runs. Unsigned: ``positive`` (``y > 0``
-        by default) says which values never round to 0 (the scaled value of a positive one may underflow)."""
+        by default) says which values never round to 0 (the scaled value of a positive one may underflow).
+        ``negative`` (``y``'s sign bit by default) gives each code's sign: a block's codes take the unscaled
+        values' (a NaN product's sign depends on the order of its operands, which compilers choose)."""
         M, shift = self.mantissa_bits, 23 - self.mantissa_bits
         bits = y.float().view(torch.int32)
         mag = (bits & 0x7FFFFFFF).clamp(max=self.max_bits)
@@ -59,7 +61,7 @@ class Minifloat:
         mant = (mag & 0x7FFFFF) | 0x800000
         sub = (mant + torch.bitwise_left_shift(torch.ones_like(s), s - 1) - 1 + ((mant >> s) & 1)) >> s
         code = torch.where(exponent < 128 - self.bias, sub, normal)
-        negative = bits < 0
+        negative = bits < 0 if negative is None else negative
         if self.signed:
             return code | negative.to(torch.int32) << 7
         code = torch.where((code == 0) & (bits > 0 if positive is None else positive), 1, code)
@@ -110,7 +112,7 @@ class Fp8(BlockScaled):
         divisor = torch.where(absmax == 0, torch.ones_like(absmax), absmax)
         # (a tensor over a tensor: a number over a tensor is a reciprocal times it in torch, an ulp off)
         inv = torch.full_like(absmax, number.max_value) / divisor
-        codes = number.encode(x * inv.unsqueeze(2), positive=x > 0).to(torch.uint8)
+        codes = number.encode(x * inv.unsqueeze(2), positive=x > 0, negative=torch.signbit(x)).to(torch.uint8)
         return quant.unblocked(values, codes, values.shape[1]), absmax
 
     def decode_span(self, codes: Tensor, absmax: Tensor, fmt: Format) -> Tensor:
@@ -178,10 +180,10 @@ class Fp8(BlockScaled):
                  f"s{i}_sub = (s{i}_mant + (s{i}_half - 1) + ((s{i}_mant >> s{i}_s) & 1)) >> s{i}_s",
                  f"s{i}_code = tl.where(s{i}_e < {128 - bias}, s{i}_sub, s{i}_normal)"]
         if number.signed:
-            lines.append(f"s{i}_code = s{i}_code | tl.where(s{i}_u < 0, 128, 0)")
+            lines.append(f"s{i}_code = s{i}_code | tl.where(s{i}_new.to(tl.int32, bitcast=True) < 0, 128, 0)")
         else:
             lines += [f"s{i}_code = tl.where((s{i}_code == 0) & (s{i}_new > 0.0), 1, s{i}_code)",
-                      f"s{i}_code = tl.where(s{i}_u < 0, 0, s{i}_code)"]
+                      f"s{i}_code = tl.where(s{i}_new.to(tl.int32, bitcast=True) < 0, 0, s{i}_code)"]
         lines += [f"tl.store(s{i}_codes + offs, tl.where(mask, s{i}_code, 0).to(tl.uint8), mask=mask)",
                   f"tl.store(s{i}_absmax + blocks, s{i}_amax, mask=block_mask)"]
         return lines
