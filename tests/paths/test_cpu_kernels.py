@@ -538,26 +538,42 @@ def test_every_code_decodes_to_its_map_value_times_absmax(build):
             assert torch.equal(values, fmt.qmap.table()[index] * absmax), fmt.tag
 
 
-@pytest.mark.parametrize("bits", [key for key in storage.codecs.keys()
-                                  if storage.codecs.for_bits(key).quantized and storage.codecs.for_bits(key).bits == 8])
-def test_every_8_bit_code_decodes_as_the_codec_decodes_it_at_any_scale(build, bits):
-    """All 256 codes, codes the encoder never gives included (fp8's F16C decode places each code as an fp16
-    number), at scales whose products underflow, overflow or are exact."""
+def _fp8_layouts():
+    """fp8 codecs of every Minifloat layout (the shipped one, and 5-bit exponents: fp16 does not hold those)."""
+    from fastoptim.storage.codecs import fp8
+
+    return [("shipped", None), ("e5m2+ue5m3", fp8.Fp8("fp8_test_e5m2", (), fp8.E5M2, fp8.UE5M3))]
+
+
+@pytest.mark.parametrize("key", ["dynamic8", *[name for name, _ in _fp8_layouts()]])
+def test_every_8_bit_code_decodes_as_the_codec_decodes_it_at_any_scale(build, key):
+    """All 256 codes, codes the encoder never gives included, bit for bit (signs of zero and NaNs too) at scales
+    whose products underflow, overflow, are exact or not numbers, over whole lanes and a block's last few; every
+    fp8 layout (the F16C decode places a code as an fp16 number, which holds 4-bit exponents only)."""
     import ctypes
 
-    lib, formats = _codec_kernel(bits)
-    _, maps = cpu_kernels._map_pointers(formats)
-    for k, fmt in enumerate(formats[:2]):
-        n = fmt.block
-        codes = torch.arange(256, dtype=torch.uint8).repeat(n // 256)
-        for scale in (0.37, 1.0, 3e-38, 1e-45, 3e38, 0.0):
-            absmax = torch.tensor([scale])
-            values = torch.zeros(n)
-            lib.fo_codec(maps, k, None, n, ctypes.c_void_p(codes.data_ptr()), ctypes.c_void_p(absmax.data_ptr()),
-                         ctypes.c_void_p(values.data_ptr()))
-            want = storage.codecs.of(fmt).decode_span(codes.reshape(1, n), absmax.reshape(1, 1), fmt)
-            torch.testing.assert_close(values, want.reshape(-1), rtol=0, atol=0, equal_nan=True,
-                                       msg=lambda m: f"{fmt.tag} at absmax {scale}: {m}")
+    codec = dict(_fp8_layouts())[key] if key != "dynamic8" else None
+    if codec is not None:
+        storage.codecs.register(codec)
+    try:
+        lib, formats = _codec_kernel(8 if key == "dynamic8" else codec.key if codec else "fp8_e4m3")
+        _, maps = cpu_kernels._map_pointers(formats)
+        for k, fmt in enumerate(formats[:2]):
+            for n in (256, 19):
+                codes = torch.arange(256, dtype=torch.uint8).roll(-37 * (n != 256))[:n]
+                for scale in (0.37, 1.0, 3e-38, 1e-45, 3e38, 0.0, float("inf"), float("nan"), -float("nan")):
+                    absmax = torch.tensor([scale])
+                    values = torch.zeros(n)
+                    lib.fo_codec(maps, k, None, n, ctypes.c_void_p(codes.data_ptr()),
+                                 ctypes.c_void_p(absmax.data_ptr()), ctypes.c_void_p(values.data_ptr()))
+                    want = storage.codecs.of(fmt).decode_span(codes.reshape(1, n), absmax.reshape(1, 1), fmt)
+                    got, want = values.view(torch.int32), want.reshape(-1).contiguous().view(torch.int32)
+                    finite = ~torch.isnan(want.view(torch.float32))
+                    assert torch.equal(got[finite], want[finite]), (fmt.tag, n, scale)
+                    assert torch.isnan(values[~finite]).all(), (fmt.tag, n, scale)
+    finally:
+        if codec is not None:
+            storage.codecs.unregister(codec)
 
 
 @pytest.mark.parametrize("bits", STORED)

@@ -756,7 +756,9 @@ def test_the_kernels_store_gives_the_codecs_codes_on_hard_values(interpret, bits
     for signed in (True, False):
         fmt = codec.format(signed)
         # (-0.0 aside: the rule's first momentum is 0.9 * 0 + g, +0.0 where g is -0.0; and blocks with a NaN or an
-        # inf, whose scale is NaN or inf: which NaN a product gives is numpy's here, the GPU's there)
+        # inf, whose scale is NaN or inf: the dynamic maps' codes there follow which NaN a quotient gives, numpy's
+        # here, the GPU's there; fp8's take x's sign, and test_nan_and_inf_grads_store_what_the_staged_path_stores
+        # covers them)
         blocks = [torch.where(b == 0, 0.0, b.float()) for b in _blocks(_hard_values(fmt, g), fmt.block, g)
                   if b.isfinite().all()]
         grads = blocks if signed else [b.abs().sqrt() for b in blocks]

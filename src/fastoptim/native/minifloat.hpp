@@ -39,46 +39,53 @@ static inline LaneBits minifloat_code_lanes(Lanes x, float inv) {
     return code;
 }
 
-// the values of a lanes' worth of codes times scale. Where the build has F16C, each code is placed as the fp16
-// number of the same sign, exponent field and mantissa (its value over 2**(15 - BIAS): fp16's bias is 15, and
-// fp16 holds every fp8 exponent, subnormals included) and widened by the hardware; the product with
-// scale * 2**(15 - BIAS) (exact: a power of two, within range as MAXV >= 2**(15 - BIAS)) is then the same real
-// number as value * scale, rounded once.
-template <int M, int BIAS, bool SIGNED>
-static inline Lanes minifloat_lanes(const uint8_t* c, float scale) {
-    using F = MinifloatBits<M, BIAS>;
+// the values of a lanes' worth of codes times scale, by the hardware's fp16 widening (F16C): each code placed as
+// the fp16 number of the same sign, exponent field and mantissa, whose value is the code's over 2**(15 - BIAS)
+// (fp16's bias is 15; subnormals included), times scale * 2**(15 - BIAS). That product is exact (a power of two;
+// within range as scale <= FLT_MAX / MAXV and MAXV >= 2**(15 - BIAS)), so the result is the same real number as
+// value * scale, rounded once. For formats fp16 holds: at most 4 exponent bits (fp16's field 31 is inf and NaN).
+template <int M, int BIAS, uint32_t MAXBITS, bool SIGNED>
+constexpr bool minifloat_in_halves() {
 #if defined(__F16C__) && (defined(FO_AVX512) || defined(FO_AVX2))
-    static_assert((SIGNED ? 7 : 8) - M <= 5 && BIAS <= 15 && M >= 2, "an fp8 format that fp16 holds");
+    return (SIGNED ? 7 : 8) - M <= 4 && M >= 2 && BIAS <= 15 && MAXBITS >= ((uint32_t)(127 + 15 - BIAS) << 23);
+#else
+    return false;
+#endif
+}
+#if defined(__F16C__) && (defined(FO_AVX512) || defined(FO_AVX2))
+template <int M, int BIAS, bool SIGNED>
+static inline Lanes minifloat_halves(const uint8_t* c, float scale) {
     const float unbias = from_bits((uint32_t)(127 + 15 - BIAS) << 23);
+    // signed: the code as a word's top byte, shifted down arithmetically: sign at bit 15, its copies cleared
+    const int16_t keep = (int16_t)(0x8000 | (0x7FFF >> (M - 2)));
 #if defined(FO_AVX512)
     const __m256i code = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c)));
-    __m256i half;
-    if (SIGNED)  // the code's top byte of a word, shifted down arithmetically: sign at bit 15, its copies cleared
-        half = _mm256_and_si256(_mm256_srai_epi16(_mm256_slli_epi16(code, 8), M - 2),
-                                _mm256_set1_epi16((int16_t)(0x8000 | (0x7FFF >> (M - 2)))));
-    else
-        half = _mm256_slli_epi16(code, 10 - M);
+    const __m256i half = SIGNED ? _mm256_and_si256(_mm256_srai_epi16(_mm256_slli_epi16(code, 8), M - 2), _mm256_set1_epi16(keep))
+                                : _mm256_slli_epi16(code, 10 - M);
     return (Lanes)_mm512_mul_ps(_mm512_cvtph_ps(half), _mm512_set1_ps(scale * unbias));
 #else
     const __m128i code = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(c)));
-    __m128i half;
-    if (SIGNED)
-        half = _mm_and_si128(_mm_srai_epi16(_mm_slli_epi16(code, 8), M - 2),
-                             _mm_set1_epi16((int16_t)(0x8000 | (0x7FFF >> (M - 2)))));
-    else
-        half = _mm_slli_epi16(code, 10 - M);
+    const __m128i half = SIGNED ? _mm_and_si128(_mm_srai_epi16(_mm_slli_epi16(code, 8), M - 2), _mm_set1_epi16(keep))
+                                : _mm_slli_epi16(code, 10 - M);
     return (Lanes)_mm256_mul_ps(_mm256_cvtph_ps(half), _mm256_set1_ps(scale * unbias));
 #endif
-#else
+}
+#endif
+
+// the values of a lanes' worth of codes times scale (the block's absmax over MAXV)
+template <int M, int BIAS, uint32_t MAXBITS, bool SIGNED>
+static inline Lanes minifloat_lanes(const uint8_t* c, float scale) {
+#if defined(__F16C__) && (defined(FO_AVX512) || defined(FO_AVX2))
+    if constexpr (minifloat_in_halves<M, BIAS, MAXBITS, SIGNED>()) return minifloat_halves<M, BIAS, SIGNED>(c, scale);
+#endif
     const LaneBits code = fo_widen(c);
     const LaneBits mag = SIGNED ? code & 0x7Fu : code;
-    const Lanes normal = fo_from_bits((mag << (23 - M)) + F::REBIAS);
+    const Lanes normal = fo_from_bits((mag << (23 - M)) + MinifloatBits<M, BIAS>::REBIAS);
     const Lanes unit = Lanes{} + from_bits((uint32_t)(128 - BIAS - M) << 23);  // the smallest subnormal
     const Lanes sub = __builtin_convertvector((LaneMask)(mag & ((1u << M) - 1u)), Lanes) * unit;
     Lanes v = fo_select((LaneMask)((mag >> M) == 0u), sub, normal);
     if (SIGNED) v = fo_from_bits(fo_bits(v) ^ ((code & 0x80u) << 24));
     return v * scale;
-#endif
 }
 
 // codes of x[i] * (MAXV / divisor): M mantissa bits, exponent bias BIAS, MAXBITS the fp32 bits of the largest value
@@ -120,7 +127,7 @@ static inline void minifloat_decode(const uint8_t* c, int64_t n, const Codec& co
     const float scale = absmax / from_bits(MAXBITS);
     const float unit = from_bits((uint32_t)(128 - BIAS - M) << 23);  // the smallest subnormal, 2**(1 - BIAS - M)
     int64_t i = 0;
-    for (; i + LANES <= n; i += LANES) fo_put(out + i, minifloat_lanes<M, BIAS, SIGNED>(c + i, scale));
+    for (; i + LANES <= n; i += LANES) fo_put(out + i, minifloat_lanes<M, BIAS, MAXBITS, SIGNED>(c + i, scale));
     for (; i < n; ++i) {
         const uint32_t code = c[i];
         const uint32_t mag = SIGNED ? code & 0x7Fu : code;

@@ -128,7 +128,7 @@ class Fp8(BlockScaled):
         codes = f"reinterpret_cast<uint8_t*>(row[{col[f's{k}_codes']}]) + at"
         absmax = f"reinterpret_cast<float*>(row[{col[f's{k}_absmax']}])[r * nblocks + j]"
         encode, decode = f"minifloat_encode<{args}>", f"minifloat_decode<{args}>"
-        lanes = f"minifloat_lanes<{number.mantissa_bits}, {number.bias}, {str(number.signed).lower()}>"
+        lanes = f"minifloat_lanes<{args}>"
         return CppPieces(
             codec=f"const Codec codec{k}{{}};",
             load=f"const float scale{k} = {absmax} / from_bits({number.max_bits}u);",
