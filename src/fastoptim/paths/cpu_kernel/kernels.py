@@ -3,17 +3,19 @@
 torch's fused CPU kernels take plain fp32 state only, and Inductor's code for a block-wise quantized step
 (gathers scalarised, the block's absmax a separate pass over fp32 temporaries) is far slower than torch's
 fused fp32 step. So the fused level carries a small C++ kernel of its own, generated per rule, FLAGS and
-state formats from the shipped template ``native/step_kernel.cpp`` (and its headers ``common.hpp`` and
-``codec.hpp``, the codec):
+state formats from the shipped template ``native/step_kernel.cpp`` (and its headers: ``common.hpp``,
+``lanes.hpp``, the codecs' ``codec.hpp`` and ``minifloat.hpp``):
 
 * the rule's math is the rule's own ``update``, traced into C++ (``cpp_twin``): byte for byte the rule's
   IEEE fp32 math on the stored values (torch's own CPU ``sqrt`` is not correctly rounded in every lane, so
   the loop level is within an ulp of it, not always equal);
 * per block of one row (the codec's blocks: 256 elements at 8 bits, 128 at 4; 256-element pieces at
-  16 bits), every state is loaded into an fp32 array that stays in L1 (codes decoded through the map, times
-  the block's absmax; bf16 widened), the update runs over them with p and g read in place (taking each
-  quantized state's new absmax as it goes), and each state is stored back: bf16 rounded to nearest even,
-  quantized states as the codes ``quant.Encoder`` gives;
+  16 bits), the update runs a vector register's lanes at a time (``native/lanes.hpp``; a block's last few
+  elements one at a time) with p and g read in place, taking each quantized state's new absmax as it goes.
+  Each codec says how its state meets the loop (``codecs.CppPieces``): the dynamic maps decode a block into
+  an fp32 array in L1 first and encode it after the loop, as ``quant.Encoder`` does; bf16 and fp8 decode
+  inside the loop; bf16 is stored as it is computed, rounded to nearest even; fp8's codes of a block are
+  written inside the next block's loop (``codecs.Deferred``);
 * the codec has three builds under ``#if``, all exact: AVX-512 (with VBMI: 8-bit codes decoded and encoded
   by byte permutes over tables held in registers, 64 elements at a time, no gathers; see ``cell_tables``;
   4-bit codes by one permute, encoded by a search over the boundaries in a register or, for the linear map,
