@@ -95,8 +95,12 @@ static inline Lanes fo_sign(Lanes x) {
 }
 
 // torch.maximum / torch.minimum: NaN wins (a + b is NaN where either is)
-static inline Lanes fo_maximum(Lanes a, Lanes b) { return fo_select((a != a) | (b != b), a + b, fo_select(a > b, a, b)); }
-static inline Lanes fo_minimum(Lanes a, Lanes b) { return fo_select((a != a) | (b != b), a + b, fo_select(a < b, a, b)); }
+static inline Lanes fo_maximum(Lanes a, Lanes b) {
+    return fo_select((a != a) | (b != b), a + b, fo_select(a > b, a, b));
+}
+static inline Lanes fo_minimum(Lanes a, Lanes b) {
+    return fo_select((a != a) | (b != b), a + b, fo_select(a < b, a, b));
+}
 static inline Lanes fo_maximum(Lanes a, float b) { return fo_maximum(a, fo_splat(b)); }
 static inline Lanes fo_maximum(float a, Lanes b) { return fo_maximum(fo_splat(a), b); }
 static inline Lanes fo_minimum(Lanes a, float b) { return fo_minimum(a, fo_splat(b)); }

@@ -60,7 +60,8 @@ static inline Lanes minifloat_halves(const uint8_t* c, float scale) {
     const int16_t keep = (int16_t)(0x8000 | (0x7FFF >> (M - 2)));
 #if defined(FO_AVX512)
     const __m256i code = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c)));
-    const __m256i half = SIGNED ? _mm256_and_si256(_mm256_srai_epi16(_mm256_slli_epi16(code, 8), M - 2), _mm256_set1_epi16(keep))
+    const __m256i half = SIGNED ? _mm256_and_si256(_mm256_srai_epi16(_mm256_slli_epi16(code, 8), M - 2),
+                                                   _mm256_set1_epi16(keep))
                                 : _mm256_slli_epi16(code, 10 - M);
     return (Lanes)_mm512_mul_ps(_mm512_cvtph_ps(half), _mm512_set1_ps(scale * unbias));
 #else

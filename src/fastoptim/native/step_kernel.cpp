@@ -1,7 +1,8 @@
-// One optimizer step over a bucket's tensors, block by block: each state loaded into an fp32 array that stays in L1
-// (decoded, or widened from bf16), the rule's update run over them a register's lanes at a time (lanes.hpp; a
-// block's last few elements one at a time) with p and g read in place, each state stored back. A template: paths/cpu_kernel/kernels.kernel_source fills each $${name} with the pieces of one rule, its FLAGS and
-// state formats (the update as C++ statements, and per state its load, store and codec).
+// One optimizer step over a bucket's tensors, block by block: the rule's update run over each block a register's
+// lanes at a time (lanes.hpp; a block's last few elements one at a time) with p and g read in place, each state
+// met as its codec says (decoded into an fp32 array in L1 first, or in the loop; stored after it, as computed, or
+// in the next block's loop). A template: paths/cpu_kernel/kernels.kernel_source fills each $${name} with the
+// pieces of one rule, its FLAGS and state formats (the update as C++ statements, and per state its codec's).
 #include "codec.hpp"
 #include "minifloat.hpp"
 #include "lanes.hpp"

@@ -20,10 +20,11 @@ class CppPieces:
     (its test hook). Lines of C++; empty where the format has none.
 
     A format whose elements decode on their own gives ``lanes``, an expression for the values from element
-    ``i`` on (one register's lanes), read in the update's loop, and ``tail``, the load of elements ``[i, n)`` into ``S<k> + i``
-    (the block's last few, run one at a time); its ``load`` then only prepares them (no pass of its own). One
-    whose elements also encode on their own gives ``put``, a statement that stores ``{x}`` (lanes or one float) at element ``i`` as the update computes it, and no ``store``. A block-scaled one gives ``deferred``
-    instead of ``store``: its codes are written while the update runs over the next block."""
+    ``i`` on (one register's lanes), read in the update's loop, and ``tail``, the load of elements ``[i, n)``
+    into ``S<k> + i`` (the block's last few, run one at a time); its ``load`` then only prepares them (no pass
+    of its own). One whose elements also encode on their own gives ``put``, a statement that stores ``{x}``
+    (lanes or one float) at element ``i`` as the update computes it, and no ``store``. A block-scaled one
+    gives ``deferred`` instead of ``store``: its codes are written while the update runs over the next block."""
     load: str
     store: str = ""
     lanes: str = ""
