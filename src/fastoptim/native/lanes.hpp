@@ -1,8 +1,7 @@
 // One vector register's fp32 lanes as one value (GCC's and Clang's vector extensions: 16 lanes with AVX-512, 8
 // with AVX2, 4 else): the kernel's update runs on them with the rule's own operators, each an IEEE operation in
-// every lane. Every function here has a float twin
-// of the same name (common.hpp, or below), so one traced update compiles for a block's tail as well. Included
-// (inlined by native.assemble) into step_kernel.cpp, after common.hpp.
+// every lane. Every function here has a float twin of the same name (common.hpp, or below), so one traced update
+// compiles for a block's tail as well. Included (inlined by native.assemble) into step_kernel.cpp.
 #ifndef FO_LANES_HPP
 #define FO_LANES_HPP
 #include "common.hpp"
@@ -26,16 +25,25 @@ static inline Lanes fo_select(LaneMask where, Lanes a, Lanes b) { return where ?
 static inline LaneBits fo_select(LaneMask where, LaneBits a, LaneBits b) { return where ? a : b; }
 
 // bytes or 16-bit words widened to lanes of bits, and lanes' low bytes or words (compilers scalarise
-// __builtin_convertvector between these widths, so the conversions are spelled out where the build has them)
+// __builtin_convertvector between these widths, so the conversions are spelled out where the build has them;
+// else one lane at a time)
+template <class T>
+static inline LaneBits fo_widen_each(const T* src) {
+    LaneBits out;
+    for (int k = 0; k < LANES; ++k) out[k] = src[k];
+    return out;
+}
+template <class T>
+static inline void fo_narrow_each(T* dst, LaneBits u) {
+    for (int k = 0; k < LANES; ++k) dst[k] = (T)u[k];
+}
 static inline LaneBits fo_widen(const uint8_t* src) {
 #if defined(FO_AVX512)
     return (LaneBits)_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
 #elif defined(FO_AVX2)
     return (LaneBits)_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src)));
 #else
-    LaneBits out;
-    for (int k = 0; k < LANES; ++k) out[k] = src[k];
-    return out;
+    return fo_widen_each(src);
 #endif
 }
 static inline LaneBits fo_widen(const uint16_t* src) {
@@ -44,9 +52,7 @@ static inline LaneBits fo_widen(const uint16_t* src) {
 #elif defined(FO_AVX2)
     return (LaneBits)_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
 #else
-    LaneBits out;
-    for (int k = 0; k < LANES; ++k) out[k] = src[k];
-    return out;
+    return fo_widen_each(src);
 #endif
 }
 // (AVX2: by saturating packs, so each lane must already fit: codes, bf16 words)
@@ -57,7 +63,7 @@ static inline void fo_narrow(uint8_t* dst, LaneBits u) {
     const __m128i words = _mm_packus_epi32(_mm256_castsi256_si128((__m256i)u), _mm256_extracti128_si256((__m256i)u, 1));
     _mm_storel_epi64(reinterpret_cast<__m128i*>(dst), _mm_packus_epi16(words, words));
 #else
-    for (int k = 0; k < LANES; ++k) dst[k] = (uint8_t)u[k];
+    fo_narrow_each(dst, u);
 #endif
 }
 static inline void fo_narrow(uint16_t* dst, LaneBits u) {
@@ -67,7 +73,7 @@ static inline void fo_narrow(uint16_t* dst, LaneBits u) {
     _mm_storeu_si128(reinterpret_cast<__m128i*>(dst),
                      _mm_packus_epi32(_mm256_castsi256_si128((__m256i)u), _mm256_extracti128_si256((__m256i)u, 1)));
 #else
-    for (int k = 0; k < LANES; ++k) dst[k] = (uint16_t)u[k];
+    fo_narrow_each(dst, u);
 #endif
 }
 
