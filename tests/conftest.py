@@ -76,11 +76,11 @@ _early_builds = []
 
 def pytest_sessionstart(session):
     """Under pytest-xdist the controller, idle while the workers start and collect, builds the C++ bookkeeping
-    extension (fastoptim/bulk.py: about 20 s with cold caches) that the workers' first steps need; else one
+    extension (fastoptim/native/bulk.py: about 20 s with cold caches) that the workers' first steps need; else one
     worker builds it while the other waits on its lock. A failure here says nothing: the workers build it again
     and report what fails."""
     if getattr(session.config.option, "numprocesses", None) and not hasattr(session.config, "workerinput"):
-        from fastoptim import bulk
+        from fastoptim.native import bulk
         _early_builds.append(threading.Thread(target=bulk.unavailable, daemon=True))
         _early_builds[-1].start()
 

@@ -90,7 +90,7 @@ def test_zero_grad_sets_grads_to_none_or_zeroes_the_buffer_as_asked():
     model = Branchy()
     model.head.weight.grad = torch.ones_like(model.head.weight)  # a grad before the optimizer is made
     opt = fastoptim.AdamW(model.parameters(), lr=1e-2, flat=True)
-    (fb,) = opt._flat_buckets[0]
+    (fb,) = opt._stepper.flat_buckets[0]
     assert [p.grad is None for p in fb.params] == [p is not model.head.weight for p in fb.params]
     i = [p is model.head.weight for p in fb.params].index(True)
     assert model.head.weight.grad.data_ptr() == fb.grad_views[i].data_ptr()
@@ -115,7 +115,7 @@ def test_a_step_with_every_grad_is_one_pass_and_a_backward_after_model_zero_grad
     ref_model = copy.deepcopy(model)
     opt = fastoptim.AdamW(model.parameters(), lr=1e-2, flat=True)
     ref = torch.optim.AdamW(ref_model.parameters(), lr=1e-2, foreach=False)
-    (fb,) = opt._flat_buckets[0]
+    (fb,) = opt._stepper.flat_buckets[0]
     x = torch.randn(4, 8)
     for step in range(4):
         for m, o in ((model, opt), (ref_model, ref)):
@@ -128,7 +128,7 @@ def test_a_step_with_every_grad_is_one_pass_and_a_backward_after_model_zero_grad
         with record_paths() as paths:
             opt.step()
         ref.step()
-        assert len(paths) == 1 and [b.flat_grad is not None for b in opt._plans[0].buckets] == [True]
+        assert len(paths) == 1 and [b.flat_grad is not None for b in opt._stepper.plans[0].buckets] == [True]
         for a, b in zip(model.parameters(), ref_model.parameters()):
             torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
     assert not repairs  # no grad was ever copied into the buffer: autograd wrote there
@@ -168,7 +168,7 @@ def test_a_hook_never_points_a_grad_at_a_buffer_the_param_left():
     """``p.data = t`` between steps: the param is no longer the buffer's until the next step copies it in, so
     its grad is autograd's own; the step then takes both in, as torch.optim steps the new data."""
     ours_model, ours, ref_model, ref = _pair(*OPTIMIZERS["adamw"])
-    (fb,) = ours._flat_buckets[0]
+    (fb,) = ours._stepper.flat_buckets[0]
     x = torch.randn(5, 6)
     for step in range(3):
         for model, opt in ((ours_model, ours), (ref_model, ref)):
@@ -236,7 +236,7 @@ def test_safetensors_save_model_and_load_model_round_trip(tmp_path):
             p.fill_(3.0)
     missing, unexpected = safetensors_torch.load_model(model, str(path))
     assert not missing and not unexpected
-    (fb,) = opt._flat_buckets[0]
+    (fb,) = opt._stepper.flat_buckets[0]
     assert all(p.untyped_storage().data_ptr() == v.data_ptr() for p, v in zip(fb.params, fb.param_views))
     _train(model, opt, 3, seed=2)
     _train(ref_model, ref, 3, seed=2)
@@ -287,13 +287,13 @@ def test_a_pickled_or_deep_copied_flat_optimizer_is_its_state_not_a_buffer_per_v
         _train_seq(twin, copied, 3, seed=2)
         for a, b in zip(twin.parameters(), reference.parameters()):
             torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
-        (fb,) = copied._flat_buckets[0]
+        (fb,) = copied._stepper.flat_buckets[0]
         with record_paths() as paths:
             _train_seq(twin, copied, 1, seed=3)
         # one pass: 32-bit over the buffers; 8-bit the quantized head in the CPU kernel and the plain tail in torch's
         assert len(paths) == (1 if state_bits == 32 else 2), paths
-        shape = [b.flat_grad is not None for b in copied._plans[0].buckets]
-        assert shape == [b.flat_grad is not None for b in opt._plans[0].buckets] and shape[-1]  # as the original
+        shape = [b.flat_grad is not None for b in copied._stepper.plans[0].buckets]
+        assert shape == [b.flat_grad is not None for b in opt._stepper.plans[0].buckets] and shape[-1]  # as the original
         assert all(p.grad is v for p, v in zip(fb.params, fb.grad_views))  # autograd wrote the copy's buffer
     _train_seq(model, opt, 3, seed=2)  # the original steps on, on its own buffers
     for a, b in zip(model.parameters(), reference.parameters()):

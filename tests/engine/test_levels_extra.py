@@ -76,7 +76,7 @@ def _model():
 def test_flat_mode_grads_are_views_and_backward_accumulates_in_place():
     model = _model()
     opt = fastoptim.create(model, "adamw", flat=True, lr=1e-2)
-    buckets = [b for bs in opt._flat_buckets for b in bs]
+    buckets = [b for bs in opt._stepper.flat_buckets for b in bs]
     assert all(p.grad is None for p in model.parameters())  # (as torch leaves them: no grad yet)
     x = torch.randn(5, 8)
     model(x).sum().backward()  # each grad is its view of the buffer (a hook points it there)
@@ -116,7 +116,7 @@ def test_flat_mode_repairs_a_replaced_grad():
     params[3].grad = torch.ones_like(params[3])  # the user replaced the view
     opt.step()
     torch.testing.assert_close(params[3].detach(), before - 0.1)
-    assert params[3].grad.data_ptr() != 0 and params[3].grad is opt._flat_buckets[0][0].grad_views[3]
+    assert params[3].grad.data_ptr() != 0 and params[3].grad is opt._stepper.flat_buckets[0][0].grad_views[3]
 
 
 @pytest.mark.parametrize("level", LEVELS)
@@ -134,7 +134,7 @@ def test_flat_state_dict_round_trips_with_torch(level):
     flat_p = clone_params(params)
     again = OPTIMIZERS["adam"].cls(flat_p, flat=True, impl=level, lr=1e-2, amsgrad=True)
     again.load_state_dict(ref.state_dict())
-    bucket = again._flat_buckets[0][0]
+    bucket = again._stepper.flat_buckets[0][0]
     for step in range(4, 7):
         set_grads(step, [torch_p, flat_p], none_every=10 ** 9)
         ref.step()

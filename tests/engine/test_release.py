@@ -131,13 +131,13 @@ def test_a_bucket_frees_its_grads_before_the_next_grads_are_made():
     model = torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(6)])
     opt = AdamW(model.parameters(), lr=1e-3, gradient_release=True, release_bucket_mb=32 * 33 * 4 / 2 ** 20)
     alive = []
-    real = opt._release_step
+    real = opt._stepper.step_params
 
-    def watched(params):
+    def watched(params, **kwargs):
         alive.append(sum(p.grad is not None for p in model.parameters()))
-        return real(params)
+        return real(params, **kwargs)
 
-    opt._release_step = watched
+    opt._stepper.step_params = watched
     model(torch.randn(4, 32)).square().mean().backward()
     assert len(alive) == 6, alive  # a bucket per layer (its weight and bias)
     assert max(alive) == 2, alive
@@ -500,13 +500,13 @@ def test_buckets_step_on_the_triton_kernels_under_the_interpreter(monkeypatch, b
     ours, theirs, released, ordinary = _pair("adamw", dict(lr=1e-2, weight_decay=0.1), "fused", state_bits=bits,
                                             min_quant_size=0, bucket_mb=2e-4)
     tasks = []
-    real = released._release_step
+    real = released._stepper.step_params
 
-    def watched(params):
+    def watched(params, **kwargs):
         tasks.append(torch._C._current_graph_task_id())
-        return real(params)
+        return real(params, **kwargs)
 
-    released._release_step = watched
+    released._stepper.step_params = watched
     with record_paths() as paths:
         _run(ours, theirs, released, ordinary, steps=2)
     assert ("triton" if bits == 32 else "triton_stored") in paths, paths

@@ -483,7 +483,7 @@ def test_the_walked_state_map_is_the_optimizers_own_and_counts_its_changes():
     assert all(s.keys() == opt.state[p].keys() for p, s in walked.items())
     opt.state = walked
     _run(opt, params, 2, 1)
-    plan = opt._plans[0]
+    plan = opt._stepper.plans[0]
     version = walked.version
     _run(opt, params, 1, 3)
-    assert opt._plans[0] is plan and walked.version == version  # reused: nothing changed since
+    assert opt._stepper.plans[0] is plan and walked.version == version  # reused: nothing changed since

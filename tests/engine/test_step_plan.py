@@ -98,14 +98,14 @@ def test_plan_is_reused_while_nothing_changes(monkeypatch):
         ours.step()
         ref.step()
     assert len(builds) == 1
-    first = ours._plans[0]
+    first = ours._stepper.plans[0]
     ours.state[ours_p[1]]["exp_avg_sq"] = ours.state[ours_p[1]]["exp_avg_sq"].clone()  # same values, new tensor
     ref.state[ref_p[1]]["exp_avg_sq"] = ref.state[ref_p[1]]["exp_avg_sq"].clone()
     _grads(g, ours_p, ref_p)
     ours.step()
     ref.step()
-    assert len(builds) == 2 and ours._plans[0] is not first
-    assert ours._plans[0].buckets[0].states[1][1] is ours.state[ours_p[1]]["exp_avg_sq"]
+    assert len(builds) == 2 and ours._stepper.plans[0] is not first
+    assert ours._stepper.plans[0].buckets[0].states[1][1] is ours.state[ours_p[1]]["exp_avg_sq"]
     assert_params_close(ours_p, ref_p)
 
 
@@ -172,7 +172,7 @@ def test_a_param_that_misses_a_step_keeps_the_plan_and_its_caches(level):
         _grads(g, ours_p, ref_p)
         ours.step()
         ref.step()
-        plans.append(ours._plans[0])
+        plans.append(ours._stepper.plans[0])
         assert_params_close(ours_p, ref_p)
     assert plans[1] is plans[0] and plans[2] is plans[0]
     assert sorted(b.step for b in plans[0].buckets) == [4, 5]
@@ -363,7 +363,7 @@ def test_flat_mode_takes_param_data_replaced_between_steps(level):
         ours.step()
         ref.step()
         assert_params_close(ours_p, ref_p)
-    bucket = ours._flat_buckets[0][0]
+    bucket = ours._stepper.flat_buckets[0][0]
     assert ours_p[0].data_ptr() == bucket.param_views[0].data_ptr()
     ours_p[1].data = torch.randn(3, generator=g)  # another shape: refused, nothing changed
     before = [p.detach().clone() for p in ours_p]
@@ -401,7 +401,7 @@ def test_flat_add_param_group_that_is_refused_leaves_no_trace():
     q_before = q.detach().clone()
     with pytest.raises(ValueError, match="flat=True"):
         opt.add_param_group({"params": [q, c]})
-    assert len(opt.param_groups) == 1 and len(opt._flat_buckets) == 1
+    assert len(opt.param_groups) == 1 and len(opt._stepper.flat_buckets) == 1
     assert torch.equal(q.detach(), q_before) and q.grad is None
     p.grad = torch.ones(3)
     opt.step()
@@ -475,7 +475,7 @@ def test_a_param_re_laid_at_the_same_address_on_the_triton_kernel(monkeypatch, f
             for p in (ours_p[0], ref_p[0]):
                 _no_grad_t_(p)
     if flat:  # the transposed values went into the buffer, and the param is its view again
-        bucket = ours._flat_buckets[0][0]
+        bucket = ours._stepper.flat_buckets[0][0]
         assert ours_p[0].data_ptr() == bucket.param_views[0].data_ptr() and ours_p[0].is_contiguous()
 
 
@@ -643,7 +643,7 @@ def test_flat_pooled_states_are_watched_as_one_and_a_replaced_one_is_copied_in()
     (flat_opt, flat_p), (ref_opt, ref_p) = run(True), run(False)
     for a, b in zip(flat_p, ref_p):
         assert torch.equal(a, b)
-    (fb,) = flat_opt._flat_buckets[0]
+    (fb,) = flat_opt._stepper.flat_buckets[0]
     for name in ("exp_avg", "exp_avg_sq"):
         codes, absmax = fb.pool(name)
         for p, q in zip(flat_p, ref_p):
@@ -652,7 +652,7 @@ def test_flat_pooled_states_are_watched_as_one_and_a_replaced_one_is_copied_in()
             assert mine.absmax.untyped_storage().data_ptr() == absmax.untyped_storage().data_ptr()
             assert torch.equal(mine.codes, theirs.codes) and torch.equal(mine.absmax, theirs.absmax)
     assert fb.pool("exp_avg_sq")[0].is_shared() and not fb.pool("exp_avg")[0].is_shared()
-    ((table, indices),) = flat_opt._bucket_caches[0, 0]["cpu_kernel"][1]
+    ((table, indices),) = flat_opt._stepper.caches()[0, 0]["cpu_kernel"][1]
     assert len(indices) == 6 and len(table.state_tensors) == 4  # codes and absmax of two states
 
 

@@ -142,7 +142,8 @@ MUTATIONS = [
     Mutation("grad_scaler_skip_ignored",
              tuple(Site(file, "if found_inf is not None and not in_kernel and found_inf.item() != 0:",
                         "if found_inf is not None and not in_kernel and found_inf.item() != 0 and False:")
-                   for file in ("src/fastoptim/optimizer.py", "src/fastoptim/engine/dispatch.py")),
+                   for file in ("src/fastoptim/optimizer.py", "src/fastoptim/engine/dispatch.py",
+                                "src/fastoptim/engine/amp.py")),
              "GradScaler's found_inf ignored where the step reads it on the host", tests("engine/test_amp_flag.py")),
     # before: storage.run_staged read the flag for a staged bucket; after: the dispatcher's run_chain reads it
     # before any path that cannot skip in its kernel, the staged path among them: skipped for that one only

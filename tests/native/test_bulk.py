@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import fastoptim
-from fastoptim import bulk, native
+from fastoptim import native
+from fastoptim.native import bulk
 
 
 @pytest.fixture(params=["native", "python"])

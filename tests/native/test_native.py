@@ -35,7 +35,7 @@ def test_sources_are_the_package_files_and_headers_are_inlined_once():
 def test_the_python_files_carry_no_cpp_source():
     """The fixed C++ lives in the shipped files; what Python generates are one-line pieces."""
     package = os.path.dirname(fastoptim.__file__)
-    for name in ("bulk.py", os.path.join("paths", "cpu_kernel", "kernels.py")):
+    for name in (os.path.join("native", "bulk.py"), os.path.join("paths", "cpu_kernel", "kernels.py")):
         with open(os.path.join(package, name)) as f:
             text = f.read()
         assert "#include" not in text and 'extern "C"' not in text, name

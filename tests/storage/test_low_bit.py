@@ -443,7 +443,7 @@ def test_flat_mode_steps_low_bit_state_as_without_it(name, bits):
                     torch.testing.assert_close(a[k], b[k], atol=1e-6, rtol=1e-5)
                 else:  # codes and absmax: exact
                     assert torch.equal(a[k], b[k]), k
-    (fb,) = flat._flat_buckets[0]
+    (fb,) = flat._stepper.flat_buckets[0]
     assert all(p.data_ptr() == v.data_ptr() and p.grad.data_ptr() == w.data_ptr()
                for p, v, w in zip(fb.params, fb.param_views, fb.grad_views))
     # (each param starts 16 bytes aligned in the buffers: fp32 params are laid out 4 elements at a time)

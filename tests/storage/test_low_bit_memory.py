@@ -98,7 +98,7 @@ def test_state_bits_edited_converts_span_by_span(old, new):
     opt.step()
     before = {name: opt.state[p][name].dequantize() for name in ("exp_avg", "exp_avg_sq")}
     opt.param_groups[0]["state_bits"] = new
-    formats = {name: opt._state_format(p, name, opt.param_groups[0]) for name in before}
+    formats = {name: opt._stepper.state_format(p, name, opt.param_groups[0]) for name in before}
     peak, converted = peak_above_start(
         lambda: {name: storage.adopt(opt.state[p][name], p, fmt) for name, fmt in formats.items()})
     new_bytes = sum(storage.nbytes(v) for v in converted.values())

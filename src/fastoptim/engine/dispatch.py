@@ -3,8 +3,8 @@
 For each bucket of a step plan it picks a chain of paths (``paths``) by the level the user asked for (``impl``),
 the device, the dtype, the tensors' sizes and each state's format, and runs it: each path takes the params it
 declares it can (``Path.takes``), and the part it leaves runs on the next path of the chain. The dispatcher alone
-  * reads GradScaler's found_inf on the host, for a step no kernel can skip by itself and before any path that
-    cannot skip in its kernel, and takes back a step the kernels skipped (``StepAmp``, ``resolve_skips``);
+  * reads GradScaler's found_inf on the host before any path that cannot skip in its kernel (``engine.amp`` says
+    when a step's kernels read it themselves);
   * hands a path the grad multiplier, in the dtype the bucket steps in, or grads already scaled
     (``Path.takes_grad_mul_of``);
   * counts a step as an in-place write to each param a path writes behind autograd's back, and to the params
@@ -29,16 +29,15 @@ leaves runs staged (``paths.staged``) through the plain route. Per-tensor stages
 
 from __future__ import annotations
 
-import os
 import warnings
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 import torch
 from torch import Tensor
 
-from .. import bulk, storage
+from .. import storage
+from ..native import bulk
 from ..paths.base import (PATHS, Bucket, Path, StepContext, caller_stacklevel, record_paths, scaled_grads,  # noqa: F401
                           subset, took, triton_available, uses_triton)
 from ..paths.compiled import COMPILED, COMPILED_LARGE, COMPILED_OR_NEXT, MIN_NUMEL as COMPILED_MIN_NUMEL, large_tensors
@@ -49,7 +48,8 @@ from ..paths.stages import STAGES
 from ..paths.staged import STAGED
 from ..paths.torch_fused import TORCH_FUSED, TorchFused
 from ..paths.triton import TRITON, TRITON_STORED
-from .plan import Plan, take_back
+from .amp import StepAmp
+from .plan import Plan
 
 IMPLS = ("auto", "loop", "foreach", "fused", "compiled")
 LEVELS = IMPLS[1:]  # the concrete levels ("auto" picks one of them)
@@ -86,60 +86,6 @@ def say_routed(impl: str, to: str, why: str) -> None:
     _said.add(impl)
     warnings.warn(f"fastoptim: impl={impl!r} runs the {to} level's path here: {why}", RuntimeWarning,
                   stacklevel=caller_stacklevel())
-
-
-# --- GradScaler's found_inf ----------------------------------------------------------------------------
-
-def skips_in_kernel(impl: str, device: torch.device) -> bool:
-    """Whether ``impl`` on ``device`` reads GradScaler's found_inf inside its kernels (no host sync)."""
-    return impl in ("auto", "fused") and uses_triton(device)
-
-
-def may_skip_in_kernel(impl: str) -> bool:
-    """Whether ``skips_in_kernel`` can hold for ``impl`` on any device here: a quick answer before looking at
-    every param's device (no Triton, or neither CUDA nor Triton's interpreter: never)."""
-    return (impl in ("auto", "fused") and triton_available()
-            and (os.environ.get("TRITON_INTERPRET") == "1" or torch.cuda.is_available()))
-
-
-@dataclass
-class StepAmp:
-    """What this step multiplies the grads by, and GradScaler's found_inf when the kernels skip by themselves."""
-    grad_mul: Tensor | None
-    found_inf: Tensor | None
-    taken: list = field(default_factory=list)  # what plan.take_back needs if the kernels skipped the step
-
-    def pending(self) -> tuple:
-        """The flag copied to host memory without waiting, and an event that says when it is there."""
-        if self.found_inf.device.type == "cuda":
-            flag = torch.empty((), dtype=self.found_inf.dtype, pin_memory=True)
-            flag.copy_(self.found_inf, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record()
-            return flag, done, self.taken
-        return self.found_inf.clone(), None, self.taken
-
-
-def begin_step(impl: str, found_inf, rules: list, grad_mul: Callable[[], Tensor | None]) -> StepAmp | None:
-    """The step's ``StepAmp``, or None where GradScaler saw inf/NaN grads and no kernel can skip the step by
-    itself (read on the host here: the step changes nothing). ``grad_mul`` is asked only for a step that runs."""
-    if found_inf is not None and not isinstance(found_inf, Tensor):  # GradScaler's sum over no grads: 0
-        found_inf = torch.tensor(float(found_inf))
-    in_kernel = (found_inf is not None and skips_in_kernel(impl, found_inf.device)
-                 and not any(rule.stages for rule in rules))
-    if found_inf is not None and not in_kernel and found_inf.item() != 0:
-        return None
-    return StepAmp(grad_mul(), found_inf if in_kernel else None)
-
-
-def resolve_skips(pending: list[tuple], state_map) -> None:
-    """Steps the kernels skipped (found_inf) were counted optimistically; take them back now, reading the flag a
-    step later, when the kernel that set it has long finished."""
-    for flag, done, taken in pending:
-        if done is not None:
-            done.synchronize()
-        if flag.item() != 0:
-            take_back(state_map, taken)
 
 
 # --- routes ------------------------------------------------------------------------------------------------
@@ -271,7 +217,7 @@ def _run(path: Path, part: Bucket, ctx: StepContext) -> list[int] | None:
     return left
 
 
-def run_plan(impl: str, rule, step_plan: Plan, group: dict, grads: list[Tensor] | None, step_amp: StepAmp,
+def run_plan(*, impl: str, rule, step_plan: Plan, group: dict, grads: list[Tensor] | None, step_amp: StepAmp,
              bits: int, rounding: str, entry_of: Callable[[Tensor], tuple]) -> None:
     """One step of ``rule`` over every bucket of a committed plan. ``entry_of(param)``: the param's state dict,
     its index in the optimizer and the param (for the roundings' own state)."""

@@ -31,7 +31,7 @@ from torch import Tensor
 from torch.utils.dlpack import to_dlpack
 
 from .. import storage
-from ..bulk import all_set_to, layouts, set_to as same_layout, with_grads
+from ..native.bulk import all_set_to, layouts, set_to as same_layout, with_grads
 from ..eager import eager
 from ..paths.base import GradViews
 

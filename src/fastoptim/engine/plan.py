@@ -43,7 +43,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .. import bulk, storage
+from .. import storage
+from ..native import bulk
 from .flat import FlatBucket, same_layout
 from ..storage.state import is_dtensor
 from .state_map import StateDict, StateMap, as_state_map, quiet_set  # noqa: F401 (optimizer.state, counting)
@@ -326,7 +327,7 @@ def _param_states(plan: Plan, p: Tensor, state: dict | None, names: list[str], e
     return tensors, count
 
 
-def build(rule, group: dict, params: list[Tensor], state_map: StateMap, state_format, param_index,
+def build(*, rule, group: dict, params: list[Tensor], state_map: StateMap, state_format, param_index,
           flat_buckets: list[FlatBucket] | None) -> Plan:
     """Work out the buckets of one group from scratch. Validates every state it will use and changes
     nothing: new states and copies into flat buffers wait in ``plan.pending`` until ``commit``.

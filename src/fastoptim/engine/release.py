@@ -2,8 +2,9 @@
 
 A hook on each param (``register_post_accumulate_grad_hook``: it fires once a backward has written the param's
 whole grad) puts the param in the *ready* bucket. When the bucket's grads reach ``bucket_bytes``, and at the end
-of backward (an autograd engine callback), the bucket steps through the optimizer's own step (``release_step``:
-the same plan, dispatcher and paths as ``opt.step()``, on those params alone) and its grads are freed together.
+of backward (an autograd engine callback), the driver calls down into the optimizer's stepper
+(``Stepper.step_params``: the same plan, dispatcher and paths as ``opt.step()``, on those params alone) and the
+bucket's grads are freed together.
 So a model's grads never all live at once, and the step's math is the ordinary step's: each param steps once
 on its whole grad, with the hyper-parameters its group holds when its bucket steps.
 
@@ -19,7 +20,7 @@ Under torch.distributed with world size > 1 a param's hook sees its local grad: 
 backward, unless the optimizer is tied to the DDP model (``opt.release_with(ddp_model)``, ``release_ddp``), whose
 comm hook then steps each DDP bucket after its all-reduce while these hooks step nothing.
 
-The hooks hold the optimizer weakly: an optimizer that is gone steps nothing, and its hooks are removed. A param
+The hooks hold the optimizer's stepper weakly: an optimizer that is gone steps nothing, and its hooks are removed. A param
 is released by the newest optimizer that hooked it (``OWNERS``): an optimizer made anew over the same params (a
 reload, a trainer's setup run twice) takes over, and one not yet collected never steps them a second time.
 """
@@ -50,20 +51,12 @@ def default_bucket_bytes(params: list[Tensor]) -> int:
     return int(min(MAX_BUCKET_BYTES, max(MIN_BUCKET_BYTES, total // BUCKETS_PER_MODEL)))
 
 
-def _holds(groups: list[dict], place: tuple[int, int], p: Tensor) -> bool:
-    index, position = place
-    return index < len(groups) and position < len(groups[index]["params"]) and groups[index]["params"][position] is p
-
-
-def _first(item: tuple) -> int:
-    return item[0]
-
-
 class Release:
     """One optimizer's hooks and its ready bucket."""
 
-    def __init__(self, opt, bucket_bytes: int | None):
-        self._opt = weakref.ref(opt, lambda _: self.remove())
+    def __init__(self, stepper, bucket_bytes: int | None):
+        self.stepper = weakref.ref(stepper, lambda _: self.remove())  # (what it calls down into)
+        stepper.overlapping = True  # (its buckets' plans and the step's may hold the same params)
         self.ref = weakref.ref(self)
         self.hooked: set[int] = set()  # id(param) of the params hooked (an entry goes with its param)
         self.bucket_bytes = bucket_bytes
@@ -77,18 +70,15 @@ class Release:
         self.accumulates = False  # whether accelerate says this backward accumulates, read at its start
         self.paused = 0  # ``accumulating()`` depth
         self.flushes = 0  # buckets stepped (tests check that release ran)
-        self.states_checked: int | None = None  # the state map's version whose states were last checked
-        self.planned_by: dict[int, object] = {}  # id(param) -> the key of the cached plan that last stepped it
-        self.places: dict[int, tuple[int, int]] = {}  # id(param) -> (group index, position), checked at each use
         self.norm: NormPass | None = None  # max_grad_norm's measuring backward (``release_norm``)
         self.ddp: release_ddp.DDPTie | None = None  # ``opt.release_with(ddp_model)``: DDP's comm hook steps
-        if opt.max_grad_norm is not None:
+        if stepper.settings.max_grad_norm is not None:
             self.measuring()
 
     def measuring(self) -> NormPass:
         """The norm pass's hooks (made at first use: ``max_grad_norm`` may be set after construction)."""
         if self.norm is None:
-            self.norm = NormPass(self._opt())
+            self.norm = NormPass(self.stepper())
             self.norm.hook(self._params())
         return self.norm
 
@@ -106,6 +96,20 @@ class Release:
             self.norm.hook(params)
         if self.bucket_bytes is None:
             self.bucket_bytes = default_bucket_bytes(self._params())
+
+    def alive(self) -> bool:
+        """Whether its optimizer is still there (``release_state.owns``)."""
+        return self.stepper() is not None
+
+    def window_factor(self):
+        """The clip factor ``opt.step()`` steps what backward left by: the measured norm's, where one was."""
+        return None if self.norm is None else self.norm.factor
+
+    def step(self, stepper, params: list[Tensor]) -> list[Tensor]:
+        """A released bucket's step, clipped by the measured norm with ``max_grad_norm`` (refused where none was
+        measured); returns the params stepped."""
+        factor = None if stepper.settings.max_grad_norm is None else self.measuring().take_factor()
+        return stepper.step_params(params, grad_mul=factor)
 
     def new_window(self) -> None:
         """``step()``: the params may step in backward again."""
@@ -135,41 +139,8 @@ class Release:
         self.rehook()
 
     def _params(self) -> list[Tensor]:
-        opt = self._opt()
-        return [] if opt is None else [p for g in opt.param_groups for p in g["params"]]
-
-    def by_group(self, groups: list[dict], params: list[Tensor]) -> list[tuple[int, dict, list[Tensor]]]:
-        """``params`` by param group: (group index, group, its params of ``params`` in the group's order), for the
-        groups that hold any (a param no group holds any more is left out). A param's place is looked up and
-        checked (the group's list may have been edited), not searched for: a bucket costs its own size, not the
-        model's."""
-        places, found = self.places, {}
-        for p in params:
-            place = places.get(id(p))
-            if place is None or not _holds(groups, place, p):
-                self.places = places = {id(q): (index, position) for index, group in enumerate(groups)
-                                        for position, q in enumerate(group["params"])}
-                place = places.get(id(p))
-                if place is None:
-                    continue
-            found.setdefault(place[0], []).append((place[1], p))
-        return [(index, groups[index], [p for _, p in sorted(found[index], key=_first)]) for index in sorted(found)]
-
-    def max_plans(self) -> int:
-        """How many released buckets' plans are kept: buckets are stable from step to step (at most one per param);
-        more means they are made up anew, and the cache is emptied rather than grown."""
-        return 2 * len(self.handles) + 64
-
-    def stepping(self, key, params: list[Tensor], plans: dict) -> None:
-        """The plan kept at ``key`` steps ``params``: any other cached plan that steps one of them keeps step counts
-        (and rounding state, host values) that this step outdates, so it is dropped."""
-        planned_by = self.planned_by
-        for p in params:
-            other = planned_by.get(id(p))
-            if other != key:
-                if other is not None:
-                    plans.pop(other, None)
-                planned_by[id(p)] = key
+        stepper = self.stepper()
+        return [] if stepper is None else [p for g in stepper.groups for p in g["params"]]
 
     def remove(self) -> None:
         for handle in self.handles.values():
@@ -183,36 +154,36 @@ class Release:
 
     def _ready(self, p: Tensor) -> None:
         if self.ddp is not None and self.ddp.reduces(p):
-            opt = self._opt()
-            if not self.paused and opt is not None:
+            stepper = self.stepper()
+            if not self.paused and stepper is not None:
                 if id(p) in self.released:  # (as below: a second grad before the step)
-                    raise RuntimeError(f"{type(opt).__name__}: {RELEASED_TWICE}")
-                self._starting(opt)  # (this hook runs before DDP's reducer sees the grad: nothing has stepped)
+                    raise RuntimeError(f"{stepper.name}: {RELEASED_TWICE}")
+                self._starting(stepper)  # (this hook runs before DDP's reducer sees the grad: nothing has stepped)
             self.ddp.saw(p)  # this grad is local: DDP's comm hook steps the param after its all-reduce
             return
         if not owns(self, p):
             return
-        opt = self._opt()
-        if opt is None or self.norm is not None and self.norm.accumulated(p) or self.paused or p.grad is None:
+        stepper = self.stepper()
+        if stepper is None or self.norm is not None and self.norm.accumulated(p) or self.paused or p.grad is None:
             return
-        self._starting(opt)
+        self._starting(stepper)
         if self.accumulates:
             return
         if self.world > 1 and not is_dtensor(p):  # a local grad (one tied to DDP returned above; FSDP2's are reduced)
-            raise NotImplementedError(f"{type(opt).__name__}: {release_ddp.refused(self.world, self.ddp is not None)}")
+            raise NotImplementedError(f"{stepper.name}: {release_ddp.refused(self.world, self.ddp is not None)}")
         if id(p) in self.released:
-            raise RuntimeError(f"{type(opt).__name__}: {RELEASED_TWICE}")
+            raise RuntimeError(f"{stepper.name}: {RELEASED_TWICE}")
         if p.grad.is_sparse:  # (known only as it comes: buckets before it in this backward have stepped)
-            raise RuntimeError(f"{type(opt).__name__} does not support sparse gradients (param "
-                               f"{opt._param_index(p)}, shape {tuple(p.shape)}); with gradient_release=True "
+            raise RuntimeError(f"{stepper.name} does not support sparse gradients (param "
+                               f"{stepper.param_index(p)}, shape {tuple(p.shape)}); with gradient_release=True "
                                f"{len(self.stepped)} params stepped in this backward before it")
         self.released.add(id(p))
         self.ready.append(p)
         self.ready_bytes += p.grad.numel() * p.grad.element_size()
         if self.ready_bytes >= self.bucket_bytes:
-            self.flush(opt)
+            self.flush(stepper)
 
-    def _starting(self, opt) -> None:
+    def _starting(self, stepper) -> None:
         """Once per stepping backward, at its first param: what the backward is, and what a step would refuse,
         refused before its first bucket steps; its end steps what is left."""
         task = torch._C._current_graph_task_id()
@@ -221,24 +192,24 @@ class Release:
         self.world = release_ddp.world_size()
         self.accumulates = accelerate_accumulates()  # (set before a backward, read once per backward)
         if accelerate_scales():  # refused before anything steps (plain GradScaler: at its step, after)
-            raise RuntimeError(f"{type(opt).__name__}: accelerate's fp16 mixed precision: "
+            raise RuntimeError(f"{stepper.name}: accelerate's fp16 mixed precision: "
                                + GRADSCALER_WHY.format(moved="Nothing has stepped. "))
         if not self.accumulates:  # (an accumulating backward refuses nothing: the step will)
-            opt._check_groups()
+            stepper.check_groups()
         torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
         self.queued_for = task
         self.ready, self.ready_bytes = [], 0  # (left by a backward that raised: their grads stay for step())
 
     def _end_of_backward(self) -> None:
         self.queued_for = None
-        opt = self._opt()
-        if opt is not None and self.ready:
-            self.flush(opt)
+        stepper = self.stepper()
+        if stepper is not None and self.ready:
+            self.flush(stepper)
 
-    def flush(self, opt) -> None:
+    def flush(self, stepper) -> None:
         """Step the ready bucket, then free its grads."""
         params, self.ready, self.ready_bytes = self.ready, [], 0
-        stepped = opt._release_step(params)  # (a step that raises leaves the grads for ``opt.step()``)
+        stepped = self.step(stepper, params)  # (a step that raises leaves the grads for ``opt.step()``)
         self.flushes += 1
         self.freeing(stepped)
 
@@ -276,14 +247,13 @@ GRADSCALER_WHY = ("torch.amp.GradScaler cannot drive an optimizer with gradient_
 GRADSCALER_REFUSED = GRADSCALER_WHY.format(moved="The backward just run has stepped the params on scaled grads: "
                                            "reload them from a checkpoint. ")
 
-def check(opt, gradient_release, release_bucket_mb, params=None) -> int | None:
+def check(*, name: str, settings, gradient_release, release_bucket_mb, params=None) -> int | None:
     """The bucket size in bytes (None: the default), after refusing what release cannot do exactly. ``params``: the
     params to release, once they are known (the constructor's groups, a group added later). Under torch.distributed
     FSDP2 calls a sharded param's post-accumulate-grad hooks itself, after its reduce-scatter has written the reduced
     grad (none while ``set_requires_gradient_sync(False)`` accumulates), and a DTensor's grad counts its global
     size, so every rank cuts the same buckets (Muon's gathers are collectives); a plain param's hook fires as soon as
     autograd writes this rank's own grad, before DDP's all-reduce (``release_ddp``)."""
-    name = type(opt).__name__
     if not isinstance(gradient_release, bool):
         raise TypeError(f"{name}: gradient_release must be True or False, got {gradient_release!r}")
     if release_bucket_mb is not None:
@@ -294,10 +264,10 @@ def check(opt, gradient_release, release_bucket_mb, params=None) -> int | None:
             raise ValueError(f"{name}: Invalid release_bucket_mb: {release_bucket_mb!r} (must be a number > 0)")
     if not gradient_release:
         return None
-    if opt.flat:
+    if settings.flat:
         raise ValueError(f"{name}: flat=True with gradient_release=True: flat mode keeps every grad as a view of one "
                          "buffer per group, so freeing a bucket's grads frees no memory. Use one of them")
-    if params is not None and opt.max_grad_norm is not None and release_ddp.world_size() > 1 \
+    if params is not None and settings.max_grad_norm is not None and release_ddp.world_size() > 1 \
             and any(is_dtensor(p) for p in params if isinstance(p, Tensor)):
         raise ValueError(f"{name}: max_grad_norm with gradient_release=True under FSDP2: the measuring backward "
                          "(measure_grad_norm) sees grads before autograd accumulates them, and FSDP2 writes the "
@@ -305,3 +275,15 @@ def check(opt, gradient_release, release_bucket_mb, params=None) -> int | None:
     # (a plain param under torch.distributed with world size > 1 is refused at its first backward, unless tied to
     # DDP: ``Release._ready``; the tie comes after construction)
     return None if release_bucket_mb is None else max(1, int(release_bucket_mb * (1 << 20)))
+
+
+def before_zero_grad(rel: Release | None, *, name: str, groups: list[dict], set_to_none: bool) -> None:
+    """What release refuses of ``zero_grad()``, before anything changes; the freed grads it then forgets (those of
+    these params, released by this optimizer or an older one over them)."""
+    if rel is not None:
+        rel.zeroing(name)
+    if FREED:
+        ids = {id(p) for group in groups for p in group["params"]} & FREED
+        if ids and not set_to_none:
+            raise RuntimeError(f"{name}.{KEPT_ZEROS.format(n=len(ids))}")
+        FREED.difference_update(ids)

@@ -59,10 +59,9 @@ def world_size() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
-def tie(opt, rel, ddp_model) -> "DDPTie":
-    """Check, then register the comm hook (before anything of ``opt`` changes)."""
+def tie(rel, ddp_model, *, name: str, settings) -> "DDPTie":
+    """Check, then register the comm hook (before anything of the optimizer's changes)."""
     from torch.nn.parallel import DistributedDataParallel
-    name = type(opt).__name__
     if rel is None:
         raise RuntimeError(f"{name}.release_with(ddp_model) ties gradient release to DDP; this optimizer has "
                            "gradient_release=False: make it with gradient_release=True")
@@ -71,8 +70,8 @@ def tie(opt, rel, ddp_model) -> "DDPTie":
                         f"{type(ddp_model).__name__}")
     if rel.ddp is not None:
         raise RuntimeError(f"{name} is already tied to a DDP model (one comm hook per model, one model per optimizer)")
-    if opt.max_grad_norm is not None:
-        raise NotImplementedError(f"{name}: max_grad_norm={opt.max_grad_norm} with gradient_release=True under DDP "
+    if settings.max_grad_norm is not None:
+        raise NotImplementedError(f"{name}: max_grad_norm={settings.max_grad_norm} with gradient_release=True under DDP "
                                   "is not supported: the norm's measuring backward would itself run DDP's "
                                   "all-reduce. Clip in opt.step() (gradient_release=False), or max_grad_norm=None")
     if ddp_model.find_unused_parameters:
@@ -89,7 +88,7 @@ class DDPTie:
     """The comm hook of one released optimizer on one DDP model, and the buckets of the backward running."""
 
     def __init__(self, rel, ddp_model):
-        self.rel = rel  # (the Release holds its optimizer weakly; DDP's reducer holds this hook)
+        self.rel = rel  # (the Release holds its optimizer's stepper weakly; DDP's reducer holds this hook)
         self.params = WeakIdKeyDictionary({p: True for p in ddp_model.parameters() if p.requires_grad})
         self.pending: list[tuple[object, object]] = []  # (bucket, its all-reduce's future), not stepped yet
         self.stepped: list[Tensor] = []  # params stepped in this backward: their grads are set to None at its end
@@ -119,19 +118,19 @@ class DDPTie:
             for grad, was_view in zip(bucket.gradients(), in_place):
                 grad.div_(world) if was_view else grad.mul_(1.0 / world)
         future = dist.all_reduce(buffer, group=group, async_op=True).get_future().then(_first_value)
-        opt = self.rel._opt()
-        if opt is None or self.rel.paused or accelerate_accumulates():
+        stepper = self.rel.stepper()
+        if stepper is None or self.rel.paused or accelerate_accumulates():
             return future  # accumulating: reduced, not stepped
         task = torch._C._current_graph_task_id()
         if self.queued_for != task:  # a new backward
             self.queued_for, self.pending, self.stepped = task, [], []
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
         if self.pending:  # the bucket before this one: its all-reduce has run beside the backward since
-            self._step(opt, *self.pending.pop())
+            self._step(stepper, *self.pending.pop())
         self.pending.append((bucket, future))
         return future
 
-    def _step(self, opt, bucket, future) -> None:
+    def _step(self, stepper, bucket, future) -> None:
         future.wait()
         rel, params = self.rel, []
         for p, grad in zip(bucket.parameters(), bucket.gradients()):
@@ -141,7 +140,7 @@ class DDPTie:
                 params.append(p)
         if params:
             rel.released.update(map(id, params))  # (a second grad for them before the step is refused)
-            self.stepped += opt._release_step(params)
+            self.stepped += rel.step(stepper, params)
             rel.flushes += 1
             self.buckets_stepped += 1
 
@@ -152,11 +151,11 @@ class DDPTie:
 
     def _after_ddp(self) -> None:
         self.queued_for = None
-        opt = self.rel._opt()
+        stepper = self.rel.stepper()
         pending, self.pending = self.pending, []
-        if opt is not None:
+        if stepper is not None:
             for bucket, future in pending:
-                self._step(opt, bucket, future)
+                self._step(stepper, bucket, future)
         stepped, self.stepped = self.stepped, []
         self.rel.freeing(stepped)
 

@@ -55,8 +55,8 @@ def counting(owner, attr: str) -> Iterator[None]:
 class NormPass:
     """The measuring hooks of one optimizer's release, and the clip factor they measured."""
 
-    def __init__(self, opt):
-        self._opt = weakref.ref(opt)
+    def __init__(self, stepper):
+        self._stepper = weakref.ref(stepper)
         self.handles = WeakIdKeyDictionary()  # param -> its hook's handle
         self.measuring = 0
         self.queued_for = None
@@ -100,9 +100,8 @@ class NormPass:
         norm of that grad is taken, and the grad put back as it was before this backward."""
         if not self.measuring:
             return False
-        opt = self._opt()
         if id(p) in self.norms:
-            raise RuntimeError(f"{type(opt).__name__}: {MEASURED_TWICE}")
+            raise RuntimeError(f"{self._stepper().name}: {MEASURED_TWICE}")
         task = torch._C._current_graph_task_id()
         if self.queued_for != task:  # (each backward's end takes the window's norm so far: the last one counts)
             torch.autograd.Variable._execution_engine.queue_callback(self._measured)
@@ -121,12 +120,12 @@ class NormPass:
         (a param the pass did not reach counts with the grad it holds), and its clip factor."""
         self.queued_for = None
         self.kept.clear()
-        opt = self._opt()
+        stepper = self._stepper()
         norms = self.norms
-        if opt is None:
+        if stepper is None:
             return
         keyed, first = [], None
-        for group in opt.param_groups:
+        for group in stepper.groups:
             for p in group["params"]:
                 measured = id(p) in norms
                 if not measured and p.grad is None:
@@ -138,12 +137,11 @@ class NormPass:
                 if entry is not None:
                     keyed.append(entry)
         total = clip.total_norm(keyed, first)
-        opt.last_grad_norm = total
-        self.factor = clip.clip_factor(total, opt.max_grad_norm)
+        stepper.last_grad_norm = total
+        self.factor = clip.clip_factor(total, stepper.settings.max_grad_norm)
 
     def take_factor(self) -> Tensor:
         """The factor a released bucket's grads are multiplied by (refused where none was measured)."""
         if self.factor is None:
-            opt = self._opt()
-            raise RuntimeError(f"{type(opt).__name__}: {NOT_MEASURED}")
+            raise RuntimeError(f"{self._stepper().name}: {NOT_MEASURED}")
         return self.factor

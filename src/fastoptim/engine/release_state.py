@@ -28,10 +28,13 @@ class Claim:
     """An optimizer without release over params that a release hooked: the newest optimizer over a param steps it,
     so the release before it leaves the param alone until this optimizer is gone."""
 
-    def __init__(self, opt, params) -> None:
-        self._opt = weakref.ref(opt)
+    def __init__(self, stepper, params) -> None:
+        self._stepper = weakref.ref(stepper)
         self.ref = weakref.ref(self)
         self.claim(params)
+
+    def alive(self) -> bool:
+        return self._stepper() is not None
 
     def claim(self, params) -> None:
         for p in params:
@@ -45,7 +48,7 @@ def owns(rel: "Release", p: Tensor) -> bool:
     owner = None if ref is None else ref()
     if owner is rel:
         return True
-    if owner is not None and owner._opt() is not None:
+    if owner is not None and owner.alive():
         return False  # a newer optimizer releases it
     OWNERS[id(p)] = rel.ref
     return True

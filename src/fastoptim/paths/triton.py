@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import bulk
+from ..native import bulk
 from .base import Bucket, Path, StepContext, is_dtensor, subset
 
 

@@ -48,7 +48,8 @@ from torch import Tensor
 
 from .base import pack_scalars, took
 from .triton_kernels import ALIGN, NUM_WARPS, PROLOGUE, _exec_source, _jit, interpreting, triton_twin
-from .. import bulk, storage
+from .. import storage
+from ..native import bulk
 from ..storage import Format, codecs
 
 TILE_ELEMENTS = 2048  # elements per tile: 16 per thread at 4 warps, one 128-bit load of 8-bit codes

@@ -11,7 +11,7 @@ import warnings
 import torch
 
 from . import kernels as cpu_kernels
-from ... import bulk
+from ...native import bulk
 from ..base import Bucket, GradViews, Path, StepContext, caller_stacklevel, pack_scalars, subset, took
 
 _kernel_warned: set = set()

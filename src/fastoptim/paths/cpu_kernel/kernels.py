@@ -45,7 +45,8 @@ import torch
 from torch import Tensor
 
 from . import cpp_twin
-from ... import bulk, native, storage
+from ... import native, storage
+from ...native import bulk
 from ...storage import Format, codecs
 from ...storage.codecs.dynamic import cell_tables  # noqa: F401  (the 8-bit codec's AVX-512 tables)
 

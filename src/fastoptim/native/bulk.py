@@ -27,7 +27,7 @@ from typing import Iterable, Sequence
 import torch
 from torch import Tensor
 
-from . import native
+from .. import native  # (the package: its compiler, build and cache)
 
 
 def _build_flags() -> tuple[list[str], list[str]]:
