@@ -64,7 +64,7 @@ def test_interpreted_kernel_matches_loop_level_every_step(interpret, small_chunk
         # the kernel ran; the transposed param (and its grad) went to the foreach level, nothing else did
         assert "triton" in paths and "foreach" in paths and set(paths) == {"triton", "foreach"}, paths
         _assert_same(ours, base, ours_p, base_p, step)
-    table = next(c["triton_table"] for c in ours._bucket_caches.values() if "triton_table" in c)
+    table = next(c["triton_table"] for c in ours._stepper.caches().values() if "triton_table" in c)
     long_row = table.table[:, 0].tolist().index(tk.CHUNK + 3 * tk.BLOCK + 7)
     starts = [start for row, start in table.chunks.tolist() if row == long_row]
     assert starts == [0, tk.CHUNK]  # two programs over the long tensor: a full chunk, then 3 blocks and a tail
@@ -85,7 +85,7 @@ def test_thousands_of_tensors_in_one_launch(interpret):
             ours.step()
         assert paths == ["triton"]  # one bucket, one launch, no tensor left out
         _assert_same(ours, base, ours_p, base_p, step)
-    table = next(iter(ours._bucket_caches.values()))["triton_table"]
+    table = next(iter(ours._stepper.caches().values()))["triton_table"]
     assert table.n_chunks == sum(1 for n in sizes if n > 0)  # one launch covered every non-empty tensor
 
 
@@ -142,7 +142,7 @@ def test_misaligned_and_strided_tensors_take_the_safe_path(interpret):
         assert paths == ["triton", "foreach"]  # the aligned param in the kernel, the other two after it
         base.step()
         _assert_same(ours, base, params, base_p, step)
-    table = next(iter(ours._bucket_caches.values()))["triton_table"]
+    table = next(iter(ours._stepper.caches().values()))["triton_table"]
     assert table.fallback == [0, 1]
 
 
@@ -152,7 +152,7 @@ def test_table_is_cached_until_an_address_changes(interpret):
     set_grads(1, [params], none_every=10 ** 9)
     with record_paths() as paths:
         opt.step()
-        table = next(iter(opt._bucket_caches.values()))["triton_table"]
+        table = next(iter(opt._stepper.caches().values()))["triton_table"]
         first = table.table
         opt.step()  # same grads, same addresses
         assert table.table is first

@@ -146,7 +146,7 @@ def test_kernel_stores_the_ieee_oracles_bytes_and_matches_the_staged_loop_level(
                     _assert_stored_equal(ours.state[p][state_name], value, f"step {step}: {state_name} of "
                                          f"{tuple(p.shape)}")
         _assert_same_stored(ours, base, ours_p, base_p, f"step {step} vs loop")
-    tables = next(c for c in ours._bucket_caches.values() if "triton_stored_tables" in c)["triton_stored_tables"]
+    tables = next(c for c in ours._stepper.caches().values() if "triton_stored_tables" in c)["triton_stored_tables"]
     (table,) = tables.values()
     assert table.table[:, 3].tolist() == [1, 0, 0, 0, 0]  # the whole-rows branch for the aligned 512-rows only
     (formats, _), = tables.keys()
@@ -249,7 +249,7 @@ def test_both_branches_ran_whole_aligned_rows_and_ragged_or_misaligned_ones(inte
         base.step()
         assert paths == ["triton_stored"], paths
         _assert_same_stored(ours, base, params, base_p, f"step {step}")
-    tables = next(c for c in ours._bucket_caches.values() if "triton_stored_tables" in c)["triton_stored_tables"]
+    tables = next(c for c in ours._stepper.caches().values() if "triton_stored_tables" in c)["triton_stored_tables"]
     (table,) = tables.values()
     assert table.table[:, 3].tolist() == [1, 0, 0]  # whole: the aligned 256-row only
 
@@ -383,7 +383,7 @@ def test_the_table_is_rebuilt_only_when_an_address_changes(interpret):
         base.step()
         assert paths == ["triton_stored"]
         _assert_same_stored(opt, base, params, base_p, f"step {step}")
-        tables = next(c for c in opt._bucket_caches.values() if "triton_stored_tables" in c)["triton_stored_tables"]
+        tables = next(c for c in opt._stepper.caches().values() if "triton_stored_tables" in c)["triton_stored_tables"]
         (table,) = tables.values()
         if step == 1:
             assert table.table is last  # same grad tensor, same addresses
@@ -735,7 +735,7 @@ def test_tensors_spanning_several_programs_split_mid_row(interpret, bits):
         base.step()
         assert paths == ["triton_stored"]
         _assert_same_stored(ours, base, params, base_p, f"step {step}")
-    tables = next(c for c in ours._bucket_caches.values() if "triton_stored_tables" in c)["triton_stored_tables"]
+    tables = next(c for c in ours._stepper.caches().values() if "triton_stored_tables" in c)["triton_stored_tables"]
     (table,) = tables.values()
     starts = [int(b) for t, b in table.work.tolist() if t == 0]
     assert len(starts) > 1 and any(b % int(table.table[0, 2]) for b in starts)  # a program starts mid-row

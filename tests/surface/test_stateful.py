@@ -325,7 +325,7 @@ class UserProgram(RuleBasedStateMachine):
             for name, value in (self.ours.state.get(a) or {}).items():
                 if name == "step" or name in self.spec.cls.rule.host_states:  # (host floats)
                     continue
-                fmt = self.ours._state_format(a, name, groups[id(a)])
+                fmt = self.ours._stepper.state_format(a, name, groups[id(a)])
                 kind = ("QuantizedState" if fmt.quantized else "Tensor", torch.bfloat16 if fmt.bits == 16
                         else None if fmt.quantized else a.dtype)
                 assert (type(value).__name__, getattr(value, "dtype", None)) == kind, (name, fmt, value)
@@ -364,7 +364,7 @@ class UserProgram(RuleBasedStateMachine):
             for name, value in (self.ref.state.get(b) or {}).items():
                 if name == "step" or name in self.spec.cls.rule.host_states or not isinstance(value, torch.Tensor):
                     continue
-                fmt = self.ours._state_format(a, name, groups[id(a)])
+                fmt = self.ours._stepper.state_format(a, name, groups[id(a)])
                 if not fmt.plain and (fmt.quantized or not quantized_only):
                     value.copy_(storage.torch_value(storage.adopt(value, a, fmt), a))
 
