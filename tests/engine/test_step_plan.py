@@ -622,8 +622,8 @@ def test_state_moved_in_place_is_followed_by_the_cpu_kernel(bits, flat):
 
 
 def test_flat_pooled_states_are_watched_as_one_and_a_replaced_one_is_copied_in():
-    """Flat mode keeps the head params' quantized states in one codes and one absmax buffer per state: the CPU
-    kernel's table watches one tensor per buffer (not two per param). A state the user replaces is copied into
+    """Flat mode keeps the head params' quantized states in one codes and one absmax buffer per state: the step
+    plan watches one tensor per buffer (not two per param) for the CPU kernel's table. A state the user replaces is copied into
     its pooled place, a buffer moved through any one view is followed, and the numbers stay those of flat=False."""
     def run(flat):
         torch.manual_seed(0)
@@ -653,7 +653,8 @@ def test_flat_pooled_states_are_watched_as_one_and_a_replaced_one_is_copied_in()
             assert torch.equal(mine.codes, theirs.codes) and torch.equal(mine.absmax, theirs.absmax)
     assert fb.pool("exp_avg_sq")[0].is_shared() and not fb.pool("exp_avg")[0].is_shared()
     ((table, indices),) = flat_opt._stepper.caches()[0, 0]["cpu_kernel"][1]
-    assert len(indices) == 6 and len(table.state_tensors) == 4  # codes and absmax of two states
+    assert len(indices) == 6  # one table for the six params
+    assert len(flat_opt._stepper.plans[0].watched) == 4  # the plan watches codes and absmax of two states
 
 
 def _swap(state, params):

@@ -126,6 +126,8 @@ MUTATIONS = [
              (Site("src/fastoptim/optimizer.py", "                bulk.bump_versions(bucket.owners)\n",
                    "                pass\n"),
               Site("src/fastoptim/engine/dispatch.py", "            bulk.bump_versions(bucket.owners)\n",
+                   "            pass\n"),
+              Site("src/fastoptim/engine/dispatch.py", "            written.extend(bucket.owners)\n",
                    "            pass\n")),
              "flat/sharded params written without counting an in-place write (autograd's version; the "
              "level's own write to a flat buffer may count it already: possibly equivalent)",

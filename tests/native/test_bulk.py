@@ -228,16 +228,20 @@ def test_with_grads_gives_the_params_with_grads_and_their_very_grads(check):
         if i % 3:
             p.grad = torch.ones_like(p)
     before = bulk.native_calls
-    having, grads, plain = bulk.with_grads(params)
+    having, grads, plain, dense = bulk.with_grads(params)
     assert bulk.native_calls == before + (check == "native")
     assert [id(p) for p in having] == [id(p) for i, p in enumerate(params) if i % 3]
-    assert all(g is p.grad for p, g in zip(having, grads)) and plain
+    assert all(g is p.grad for p, g in zip(having, grads)) and plain and dense
+    params[2].grad = torch.ones(2, 2).t()  # strided and of the param's dtype, not contiguous: plain, not dense
+    assert bulk.with_grads(params)[2:] == (True, False)
+    params[2].grad = torch.ones(2, 2)
+    assert bulk.with_grads(params)[2:] == (True, True)
     params[1].grad_dtype = None  # torch then takes a grad of another dtype: the caller looks at each
     params[1].grad = torch.ones(2, 2, dtype=torch.float64)
-    assert bulk.with_grads(params)[2] is False
+    assert bulk.with_grads(params)[2:] == (False, False)
     params[1].grad = torch.eye(2).to_sparse()
-    assert bulk.with_grads(params)[2] is False
-    assert bulk.with_grads([]) == ([], [], True)
+    assert bulk.with_grads(params)[2:] == (False, False)
+    assert bulk.with_grads([]) == ([], [], True, True)
 
 
 def test_with_grads_leaves_a_subclass_param_to_python():
@@ -246,7 +250,7 @@ def test_with_grads_leaves_a_subclass_param_to_python():
 
     p = Mine(torch.zeros(2))
     p.grad = torch.ones(2)
-    having, grads, plain = bulk.with_grads([torch.nn.Parameter(torch.zeros(1)), p])
+    having, grads, plain, _ = bulk.with_grads([torch.nn.Parameter(torch.zeros(1)), p])
     assert having == [p] and grads[0] is p.grad and plain
 
 

@@ -8,7 +8,8 @@ declares it can (``Path.takes``), and the part it leaves runs on the next path o
   * hands a path the grad multiplier, in the dtype the bucket steps in, or grads already scaled
     (``Path.takes_grad_mul_of``);
   * counts a step as an in-place write to each param a path writes behind autograd's back, and to the params
-    the user holds where the plan stepped views of them (flat buffers, shards, real views);
+    the user holds where the plan stepped views of them (flat buffers, shards, real views): collected in
+    ``ctx.written``, counted by the caller in one pass a step;
   * reports what ran (``record_paths``).
 
 The routes (``ROUTING`` on; ``own_paths`` turns it off, to compare the levels themselves):
@@ -37,7 +38,6 @@ import torch
 from torch import Tensor
 
 from .. import storage
-from ..native import bulk
 from ..paths.base import (PATHS, Bucket, Path, StepContext, caller_stacklevel, record_paths, scaled_grads,  # noqa: F401
                           subset, took, triton_available, uses_triton)
 from ..paths.compiled import COMPILED, COMPILED_LARGE, COMPILED_OR_NEXT, MIN_NUMEL as COMPILED_MIN_NUMEL, large_tensors
@@ -211,16 +211,17 @@ def _run(path: Path, part: Bucket, ctx: StepContext) -> list[int] | None:
         return list(range(len(part.params)))
     if not path.counted:  # written in place behind autograd's back: counted as torch.optim's steps count it
         skipped = set(left or ())  # (what it left is counted by the path that steps it)
-        written = [p for i, p in enumerate(part.params) if i not in skipped] if skipped else part.params
-        if written:
-            bulk.bump_versions(written)
+        ctx.written.extend([p for i, p in enumerate(part.params) if i not in skipped] if skipped else part.params)
     return left
 
 
 def run_plan(*, impl: str, rule, step_plan: Plan, group: dict, grads: list[Tensor] | None, step_amp: StepAmp,
-             bits: int, rounding: str, entry_of: Callable[[Tensor], tuple]) -> None:
+             bits: int, rounding: str, entry_of: Callable[[Tensor], tuple], dense_grads: bool,
+             written: list[Tensor]) -> None:
     """One step of ``rule`` over every bucket of a committed plan. ``entry_of(param)``: the param's state dict,
-    its index in the optimizer and the param (for the roundings' own state)."""
+    its index in the optimizer and the param (for the roundings' own state); ``dense_grads``: every grad is of
+    its param's dtype and shape, contiguous; ``written``: gets the tensors to count an in-place write to (the
+    caller counts them all at once, ``bulk.bump_versions``)."""
     taken = step_plan.advance(rule, group)
     if step_amp.found_inf is not None:
         step_amp.taken.extend(taken)
@@ -245,7 +246,8 @@ def run_plan(*, impl: str, rule, step_plan: Plan, group: dict, grads: list[Tenso
             grad_mul = grad_mul.to(torch.float64 if dtype == torch.float64 else torch.float32)
         ctx = StepContext(impl, rule, group, bucket.step, rule.scalars(group, bucket.step, *bucket.host_before),
                           rule.bucket_flags(flags, dtype), grad_mul, step_amp.found_inf,
-                          rounding if rounded else "nearest", run_plain=run_plain)
+                          rounding if rounded else "nearest", run_plain=run_plain, dense_grads=dense_grads,
+                          written=written)
         if not bucket.staged:
             run_plain(part, ctx)
             continue
@@ -260,7 +262,7 @@ def run_plan(*, impl: str, rule, step_plan: Plan, group: dict, grads: list[Tenso
     # since its forward)
     for bucket in step_plan.buckets:
         if bucket.flat_grad is not None or bucket.convert:
-            bulk.bump_versions(bucket.owners)
+            written.extend(bucket.owners)
 
 
 def hyper_view(group: dict) -> dict:

@@ -252,7 +252,7 @@ class FlatBucket:
             return True  # the common case, in one C++ pass
         self.realias()
         index = self._index()
-        present, grads, _ = with_grads(self.params)
+        present, grads, _, _ = with_grads(self.params)
         if all_set_to(present, [self._grad_layouts[index[id(p)]] for p in present], grads=True):
             return len(present) == len(self.params)  # some grads None, the others in place
         for p, g in zip(present, grads):

@@ -15,6 +15,8 @@ What makes it stale, checked at every step before anything runs:
     storage settings (``state_bits``, ``min_quant_size``: the optimizer puts them into ``Plan.active``);
   * a param's data moved or re-laid (``p.data = ...``, ``p.t_()``, a resize: address, strides or shape; in flat
     mode, a param's data no longer the very view of its buffer that the plan made);
+  * a stored (16/8/4-bit) state's tensor moved in place (``share_memory_()``): a kernel's table keeps their
+    addresses (flat mode's pooled states are watched by their pools, which move whole);
   * ``optimizer.state`` replaced by another mapping;
   * any change made through the mapping or a per-param dict: a cleared or deleted state, a state tensor
     added, removed or replaced, a step count written. ``StateMap`` and its ``StateDict`` values count
@@ -94,7 +96,9 @@ class Plan:
     replaced: dict[int, dict] = field(default_factory=dict)  # id(param) -> {name: (state found, what replaces it)}
     pending: list[tuple] = field(default_factory=list)       # (param, name, tensor, fill) put in at commit
     rehome: list[FlatBucket] = field(default_factory=list)   # flat buckets whose params' .data was replaced
-    layouts: object = None                                   # each param's address, strides and shape (bulk.layouts)
+    layouts: object = None                                   # the watched tensors' addresses, strides, shapes
+    watched: list[Tensor] = field(default_factory=list)      # the params (not in flat mode) and stored states
+    plain_watched: bool = False                              # plain states watched too (a group at 16/8/4 bits)
     flat: list[FlatBucket] | None = None                     # flat mode: the buckets whose views the params are
 
     def fits(self, params: list[Tensor], active: tuple, state_map: StateMap) -> bool:
@@ -104,11 +108,13 @@ class Plan:
                 and self.same_layouts(params))
 
     def same_layouts(self, params: list[Tensor]) -> bool:
-        """Each param's data where and as it was at commit. In flat mode, each still is its view of the buffer:
-        one pass against views the buffer keeps anyway (cheaper than reading each param's address and shape)."""
+        """Each param's data, and each stored state, where and as it was at commit (one pass over both). In flat
+        mode each param still is its view of the buffer: one pass against views the buffer keeps anyway (cheaper
+        than reading each param's address and shape)."""
         if self.flat is not None:
-            return all(fb.intact() for fb in self.flat)
-        return bulk.layouts(params) == self.layouts
+            return all(fb.intact() for fb in self.flat) and (not self.watched or bulk.layouts(self.watched)
+                                                              == self.layouts)
+        return bulk.layouts(self.watched) == self.layouts
 
     def commit(self) -> None:
         """Put the built states in place (building changed nothing, so a failed or skipped step leaves
@@ -134,8 +140,10 @@ class Plan:
         for bucket in self.buckets:
             bucket.dicts = list(map(state_map.get, bucket.owners))
         self.version = state_map.version
-        if self.reusable and self.flat is None:
-            self.layouts = bulk.layouts(self.params)
+        if self.reusable:
+            self.watched = (([] if self.flat is not None else list(self.params))
+                            + _stored_states(self.buckets, self.plain_watched))
+            self.layouts = bulk.layouts(self.watched)
         for fb in self.flat or ():
             fb.settle()
 
@@ -145,17 +153,38 @@ class Plan:
         created, self.created = self.created, {}
         replaced, self.replaced = self.replaced, {}
         names = rule.host_states
+        counted: dict[int, list] = {}  # new count -> the state dicts at it (one pass for buckets at one count)
         for bucket in self.buckets:  # set with dict.__setitem__: the plan's own bookkeeping, not a change
             bucket.step = step = bucket.step + 1
             if rule.exports_step:
-                bulk.set_each(bucket.dicts, "step", step)
+                counted.setdefault(step, []).extend(bucket.dicts)
             if names:
                 bucket.host_before = bucket.host
                 bucket.host = rule.host_step(group, step, bucket.host)
                 for name, value in zip(names, bucket.host):
                     bulk.set_each(bucket.dicts, name, value)
+        for step, dicts in counted.items():
+            bulk.set_each(dicts, "step", step)
         return [(bucket.owners, bucket.dicts, created, replaced, dict(zip(names, bucket.host_before)),
                  rule.exports_step) for bucket in self.buckets]
+
+
+def _stored_states(buckets: list[PlanBucket], plain: bool) -> list[Tensor]:
+    """The tensors of the buckets' stored (not plain) states, a kernel may keep the addresses of, and where
+    ``plain`` the plain ones too (a plain state re-typed in place, ``s.data = s.data.bfloat16()``, would reach a
+    path that takes plain states only); states on a flat buffer's pool move together, so one of them is watched
+    (a user's own states may share a storage and one of them be re-pointed: each is watched)."""
+    found = {}
+    for b in buckets:
+        pooled = {t.untyped_storage()._cdata for t in (b.head.pool_buffers() if b.head is not None else ())}
+        for column in b.states:
+            for s, p in zip(column or (), b.params):
+                if not plain and storage.is_plain(s, p):
+                    continue
+                for t in s.tensors() if isinstance(s, storage.QuantizedState) else (s,):
+                    key = t.untyped_storage()._cdata
+                    found.setdefault(("pool", key) if key in pooled else ("own", id(t)), t)
+    return list(found.values())
 
 
 def _memory(x: Tensor | storage.QuantizedState) -> list[int]:
@@ -350,12 +379,13 @@ def build(*, rule, group: dict, params: list[Tensor], state_map: StateMap, state
         return plan
     buckets: dict[tuple, PlanBucket] = {}
     for position, p in enumerate(params):
-        def make(name, value, p=p):
-            fmt = state_format(p, name, group)
-            if value is None:
-                return new_state(rule, p, name, group, fmt), None
-            return _adopt(value, p, fmt, name, param_index(p), rule.state_shape(name, p)), None
         held = tuple(on and rule.state_shape(name, p) is not None for name, on in zip(rule.state_names, active))
+        formats = {name: state_format(p, name, group) for name, on in zip(rule.state_names, held) if on}
+
+        def make(name, value, p=p, formats=formats):
+            if value is None:
+                return new_state(rule, p, name, group, formats[name]), None
+            return _adopt(value, p, formats[name], name, param_index(p), rule.state_shape(name, p)), None
         tensors, count = _param_states(plan, p, state_map.get(p), [n for n, on in zip(rule.state_names, held) if on],
                                        rule.exports_step, make, param_index)
         host = _host(plan, rule, group, p, state_map.get(p))
@@ -366,7 +396,8 @@ def build(*, rule, group: dict, params: list[Tensor], state_map: StateMap, state
             p, tensors = _local_real(p), [_local_real(t) for t in tensors]
         # (a complex param's real view has a real dtype: ``convert`` keeps it apart from real params of that dtype,
         # as its grad needs the same view and a plain param's must stay as it is)
-        key = (p.device, p.dtype, count, host, held, convert)
+        # (the states' formats decide the bucket's path: params kept alike step together, and no path splits them)
+        key = (p.device, p.dtype, count, host, held, convert, tuple(formats.values()))
         bucket = buckets.get(key)
         if bucket is None:
             bucket = buckets[key] = PlanBucket(key[:2], count, [], [[] if on else None for on in held], [], [],

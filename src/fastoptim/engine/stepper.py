@@ -51,6 +51,7 @@ class Work:
     group: dict
     params: list[Tensor]
     grads: list[Tensor] | None
+    dense: bool = False  # every grad is of its param's dtype and shape, contiguous (``bulk.with_grads``)
 
 
 class Stepper:
@@ -103,13 +104,18 @@ class Stepper:
                                   lambda: self._grad_mul(work, grad_scale) if grad_mul is None else grad_mul)
         if step_amp is None:
             return  # GradScaler saw inf/NaN grads: this step changes nothing
-        for key, step_plan, w, rule in zip(keys, plans, work, rules):
-            if step_plan is not None:
-                self._commit(key, step_plan)
-                bits, _, rounding = self.settings.storage_of(w.group)
-                dispatch.run_plan(impl=self.settings.impl, rule=rule, step_plan=step_plan, group=w.group,
-                                  grads=w.grads, step_amp=step_amp, bits=bits, rounding=rounding,
-                                  entry_of=self._entry_of)
+        written: list[Tensor] = []  # (the params to count an in-place write to: one pass over all of them)
+        try:
+            for key, step_plan, w, rule in zip(keys, plans, work, rules):
+                if step_plan is not None:
+                    self._commit(key, step_plan)
+                    bits, _, rounding = self.settings.storage_of(w.group)
+                    dispatch.run_plan(impl=self.settings.impl, rule=rule, step_plan=step_plan, group=w.group,
+                                      grads=w.grads, step_amp=step_amp, bits=bits, rounding=rounding,
+                                      entry_of=self._entry_of, dense_grads=w.dense, written=written)
+        finally:  # (what ran is counted, also where a later bucket raised)
+            if written:
+                bulk.bump_versions(written)
         if step_amp.found_inf is not None:
             self.pending_skips.append(step_amp.pending())
 
@@ -131,6 +137,7 @@ class Stepper:
                            state_format=self.state_format, param_index=self.param_index,
                            flat_buckets=self.flat_buckets[w.index] if self.settings.flat else None)
         built.active = shape
+        built.plain_watched = shape[2][0] != 32  # (16/8/4-bit state: a plain state stays plain, ``plan``)
         return built
 
     def _commit(self, key, step_plan: plan.Plan) -> None:
@@ -194,9 +201,9 @@ class Stepper:
             if all([bucket.repair_grads() for bucket in buckets]):  # (a list: every bucket is repaired)
                 return Work(index, group, group["params"], None)
         candidates = params
-        params, grads, plain = bulk.with_grads(candidates)
+        params, grads, plain, dense = bulk.with_grads(candidates)
         if plain:
-            return Work(index, group, params, grads)
+            return Work(index, group, params, grads, dense)
         params, grads = [], []
         for p in candidates:
             g = p.grad

@@ -197,8 +197,9 @@ static PyObject* kinds(PyObject*, PyObject* seq) {
 }
 
 // with_grads(params, parameter_type): ([p for p in params if p.grad is not None], [their grads], whether every
-// such grad is strided, of its param's dtype and not a lazily negated view); None where an item is not exactly a
-// Tensor or a parameter_type (a subclass may answer .grad by itself)
+// such grad is strided, of its param's dtype and not a lazily negated view, whether every one is also contiguous
+// and of its param's sizes); None where an item is not exactly a Tensor or a parameter_type (a subclass may answer
+// .grad by itself)
 static PyObject* with_grads(PyObject*, PyObject* args) {
     PyObject *seq, *parameter_type;
     if (!PyArg_ParseTuple(args, "OO", &seq, &parameter_type) || !sequence(seq, "with_grads")) return nullptr;
@@ -210,11 +211,12 @@ static PyObject* with_grads(PyObject*, PyObject* args) {
     try {
         const std::vector<c10::TensorImpl*> x = impls(seq), g = grad_impls(x);
         PyObject *params = PyList_New(0), *grads = PyList_New(0);
-        bool plain = true;
+        bool plain = true, dense = true;
         for (Py_ssize_t i = 0; i < n && params && grads; ++i) {
             if (!g[i]) continue;
             const at::TensorBase& grad = THPVariable_Unpack(items[i]).grad();
             plain = plain && g[i]->layout() == c10::kStrided && g[i]->dtype() == x[i]->dtype() && !g[i]->is_neg();
+            dense = dense && plain && g[i]->is_contiguous() && g[i]->sizes() == x[i]->sizes();
             PyObject* wrapped = THPVariable_Wrap(grad);
             if (!wrapped || PyList_Append(params, items[i]) || PyList_Append(grads, wrapped)) Py_CLEAR(params);
             Py_XDECREF(wrapped);
@@ -224,7 +226,7 @@ static PyObject* with_grads(PyObject*, PyObject* args) {
             Py_XDECREF(grads);
             return nullptr;
         }
-        return Py_BuildValue("(NNO)", params, grads, plain ? Py_True : Py_False);
+        return Py_BuildValue("(NNOO)", params, grads, plain ? Py_True : Py_False, dense ? Py_True : Py_False);
     } catch (const std::exception& e) {
         PyErr_SetString(PyExc_RuntimeError, e.what());
         return nullptr;

@@ -109,17 +109,20 @@ def all_set_to(a: Sequence, b: Sequence, grads: bool = False) -> bool:
         return False
 
 
-def with_grads(params: Sequence[Tensor]) -> tuple[list[Tensor], list[Tensor], bool]:
-    """The params whose ``.grad`` is not None, their grads, and whether every such grad is strided, of its
-    param's dtype and not a lazily negated view (where not, the caller looks at each)."""
+def with_grads(params: Sequence[Tensor]) -> tuple[list[Tensor], list[Tensor], bool, bool]:
+    """The params whose ``.grad`` is not None, their grads, whether every such grad is strided, of its param's
+    dtype and not a lazily negated view (where not, the caller looks at each), and whether every one is also
+    contiguous and of its param's shape (*dense*: a kernel's answers about the params then hold for the grads)."""
     native = _native("with_grads")
     found = None if native is None else native(_sequence(params), torch.nn.Parameter)
     if found is not None:
         return found
     params = [p for p in params if p.grad is not None]
     grads = [p.grad for p in params]
-    return params, grads, all(g.layout == torch.strided and g.dtype == p.dtype and not g.is_neg()
-                              for p, g in zip(params, grads))
+    plain = all(g.layout == torch.strided and g.dtype == p.dtype and not g.is_neg() for p, g in zip(params, grads))
+    dense = plain and all(type(g) is Tensor and g.is_contiguous() and g.shape == p.shape  # (a subclass: not known)
+                          for p, g in zip(params, grads))
+    return params, grads, plain, dense
 
 
 def layouts(tensors: Sequence[Tensor], shapes: bool = True) -> object:

@@ -80,6 +80,8 @@ class StepContext:
     entries: Callable | None = None     # i -> (state dict, optimizer index, param) of the bucket's i-th param
     run_plain: Callable | None = None   # (bucket, ctx) -> None: the dispatcher's route for plain-state buckets
     inf_read: bool | None = None        # found_inf as the dispatcher read it on the host (once per bucket)
+    dense_grads: bool = False           # every grad is of its param's dtype and shape, contiguous (``with_grads``)
+    written: list | None = None         # the params paths wrote uncounted, for one count a step (``dispatch``)
 
     def but(self, **changes) -> StepContext:
         return dataclasses.replace(self, **changes)

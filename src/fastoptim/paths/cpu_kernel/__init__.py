@@ -26,11 +26,13 @@ def _warn_staged(why: str) -> None:
 
 class CpuKernel(Path):
     """Which params it takes, and its tables, are worked out once per bucket (its params and states are fixed
-    while the step plan holds it) and again when a grad's dtype or contiguity changes (new grads each step may
-    differ: torch takes a grad of another dtype where ``p.grad_dtype`` allows it) or a state's storage moved in
-    place. Flat mode's grad views come as one list (``FlatBucket.head_grads``) that holds the same tensors for as
-    long as it is the same list object; other grads are the user's, new each step, and only their layouts are
-    kept (holding the list would keep last step's grads alive)."""
+    while the step plan holds it, which also checks that no state tensor moved) and again when a grad's dtype,
+    contiguity or shape changes (new grads each step may differ: torch takes a grad of another dtype where
+    ``p.grad_dtype`` allows it). Where the step's grads are *dense* (``StepContext.dense_grads``: each of its
+    param's dtype and shape, contiguous) they are known without a look at each. Flat mode's grad views come as
+    one list (``FlatBucket.head_grads``) that holds the same tensors for as long as it is the same list object;
+    other grads are the user's, new each step, and only their kinds are kept (holding the list would keep last
+    step's grads alive)."""
     name = "cpu_kernel"
     records = False  # one entry per kernel run (a part whose kernel will not build runs staged)
     takes_grad_mul = True
@@ -43,23 +45,19 @@ class CpuKernel(Path):
             _warn_staged(why)
             return []
         seen = bucket.cache.get("cpu_kernel_takes")
-        same_grads = seen is not None and seen[2] is bucket.grads
-        grads_seen = None if same_grads else bulk.kinds(bucket.grads)
-        if seen is None or not same_grads and seen[0] != grads_seen:
+        kinds = _grad_kinds(bucket.grads, ctx, seen)
+        if seen is None or kinds is not SAME and seen[0] != kinds:
             n = len(bucket.params)
             taken = [i for i in range(n) if cpu_kernels.signature(bucket.params, bucket.grads, bucket.states, i)]
-            seen = (grads_seen, None if len(taken) == n else taken)
-        bucket.cache["cpu_kernel_takes"] = (seen[0], seen[1],
-                                            bucket.grads if isinstance(bucket.grads, GradViews) else None)
+            seen = (kinds, None if len(taken) == n else taken)
+        bucket.cache["cpu_kernel_takes"] = (seen[0], seen[1], _kept(bucket.grads))
         return seen[1]
 
     def run(self, part: Bucket, ctx: StepContext) -> list[int] | None:
         cached = part.cache.get("cpu_kernel")
-        if cached is not None and any(table.states_moved() for table, _ in cached[1]):
-            cached = None
-        same_grads = cached is not None and cached[3] is part.grads
-        grads_seen = None if same_grads else bulk.kinds(part.grads)
-        if cached is None or not same_grads and cached[0] != grads_seen:
+        kinds = _grad_kinds(part.grads, ctx, cached)
+        same_grads = kinds is SAME
+        if cached is None or not same_grads and cached[0] != kinds:
             by_formats: dict[tuple, list[int]] = {}
             rest = []
             for i in range(len(part.params)):
@@ -68,9 +66,9 @@ class CpuKernel(Path):
             tables = []
             for formats, indices in by_formats.items():
                 one = subset(part, indices)
-                tables.append((cpu_kernels.Table(one.params, one.grads, one.states, formats, part.pools), indices))
-            cached = (grads_seen, tables, rest, None)
-        part.cache["cpu_kernel"] = cached = cached[:3] + (part.grads if isinstance(part.grads, GradViews) else None,)
+                tables.append((cpu_kernels.Table(one.params, one.grads, one.states, formats), indices))
+            cached = (kinds, tables, rest, None)
+        part.cache["cpu_kernel"] = cached = (cached[0] if same_grads else kinds,) + cached[1:3] + (_kept(part.grads),)
         _, tables, rest, _ = cached
         packed = pack_scalars(ctx.scalars, part.device)
         mul = None if ctx.grad_mul is None else ctx.grad_mul.to(part.device, torch.float32).reshape(())
@@ -89,3 +87,19 @@ class CpuKernel(Path):
 
 
 CPU_KERNEL = CpuKernel()
+
+
+SAME = object()  # the very grads the cache was made with (flat mode's views)
+DENSE = "dense"  # grads of their params' dtype and shape, contiguous: what the params' kinds say
+
+
+def _grad_kinds(grads, ctx: StepContext, cached: tuple | None):
+    """What a cached answer depends on of this step's grads: ``SAME``, ``DENSE``, or each grad's kind."""
+    if cached is not None and cached[-1] is grads:
+        return SAME
+    return DENSE if ctx.dense_grads else bulk.kinds(grads)
+
+
+def _kept(grads):
+    """The grads a cache may hold: flat mode's views (the same list while they stay the same), no others."""
+    return grads if isinstance(grads, GradViews) else None

@@ -46,7 +46,6 @@ from torch import Tensor
 
 from . import cpp_twin
 from ... import native, storage
-from ...native import bulk
 from ...storage import Format, codecs
 from ...storage.codecs.dynamic import cell_tables  # noqa: F401  (the 8-bit codec's AVX-512 tables)
 
@@ -257,12 +256,10 @@ class Table:
     """The kernel's table of tensors (one int64 row each: first block, rows, length and the addresses of p, g
     and the states) for tensors that all have state ``formats``. Made once per bucket: params and state
     tensors are written in place while the step plan holds them (a replaced one makes a new plan, and so a
-    new table); grads may be new tensors every step, so their addresses are checked, at C speed, each step,
-    and so are the states' (``share_memory_()`` moves a state's storage in place: ``states_moved``)."""
+    new table; the plan also watches that no state moved in place, ``engine.plan``); grads may be new tensors
+    every step, so their addresses are checked each step."""
 
-    def __init__(self, params: list[Tensor], grads: list[Tensor], states: list[list | None], formats: tuple,
-                 pools: Sequence[Tensor] = ()):
-        """``pools``: buffers that states are views of (flat mode's), each watched once instead of each view."""
+    def __init__(self, params: list[Tensor], grads: list[Tensor], states: list[list | None], formats: tuple):
         self.formats = formats
         fmt = next(f for f in formats if f is not None)
         walk = codecs.of(fmt).walk  # (rows, length, blocks): the codec's (``signature``: one codec per param)
@@ -282,20 +279,6 @@ class Table:
         self.table = torch.tensor(rows_table, dtype=torch.int64)
         self.blocks = first
         self.grad_addresses = [row[GRAD_COLUMN] for row in rows_table]
-        # states on a pool's storage move together: one of them is watched, and keeps the storage (and so the
-        # others' memory) alive; any other state is watched on its own (a user's states may share a storage and
-        # one of them be re-pointed: it must be seen)
-        pooled = {t.untyped_storage()._cdata for t in pools}
-        watched = {}
-        for t in self.state_tensors:
-            key = t.untyped_storage()._cdata
-            watched.setdefault(("pool", key) if key in pooled else ("own", id(t)), t)
-        self.state_tensors = list(watched.values())
-        self.state_addresses = bulk.layouts(self.state_tensors, shapes=False)
-
-    def states_moved(self) -> bool:
-        """Whether a state's storage lies elsewhere than the table says (the kernel would write freed memory)."""
-        return bulk.layouts(self.state_tensors, shapes=False) != self.state_addresses
 
     def point_at(self, grads: list[Tensor]) -> None:
         """This step's grads (the same shapes; contiguous, as ``signature`` checked)."""
