@@ -31,7 +31,8 @@ def tiny_llama() -> torch.nn.Module:
     return transformers.LlamaForCausalLM(config)
 
 
-def train(device, out, make_optimizer=None, cls_and_kwargs=None, max_steps=6, resume=None, schedule=None, **args):
+def train(device, out, make_optimizer=None, cls_and_kwargs=None, max_steps=6, resume=None, schedule=None,
+          callbacks=None, **args):
     model = tiny_llama()
     trainer_args = transformers.TrainingArguments(**{
         **dict(output_dir=str(out), per_device_train_batch_size=4, max_steps=max_steps, save_steps=3,
@@ -40,7 +41,7 @@ def train(device, out, make_optimizer=None, cls_and_kwargs=None, max_steps=6, re
     optimizer = make_optimizer(model) if make_optimizer else None
     optimizers = (optimizer, schedule(optimizer) if schedule else None)
     trainer = transformers.Trainer(model=model, args=trainer_args, train_dataset=Tokens(), optimizers=optimizers,
-                                   optimizer_cls_and_kwargs=cls_and_kwargs)
+                                   optimizer_cls_and_kwargs=cls_and_kwargs, callbacks=callbacks)
     trainer.train(resume_from_checkpoint=resume)
     losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
     return model, losses, trainer
@@ -156,3 +157,37 @@ def test_trainer_clipping_sees_no_grads_under_release(tmp_path, device):
     assert min(norms[1]) > 1.0  # without release the same clipping acts on every step
     assert all(torch.equal(a, b) for a, b in zip(clipped.state_dict().values(), unclipped.state_dict().values()))
     assert not all(torch.equal(a, b) for a, b in zip(clipped.state_dict().values(), ordinary.state_dict().values()))
+
+
+class GradsAtTheStep(transformers.TrainerCallback):
+    """The names of the params that hold a grad as each optimizer step comes (after the Trainer's clipping)."""
+
+    def __init__(self):
+        self.held = []
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **_):
+        self.held.append([name for name, p in model.named_parameters() if p.grad is not None])
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_gradient_release_under_activation_checkpointing(reentrant, tmp_path, device):
+    """Activation checkpointing (the new name of gradient_checkpointing). With use_reentrant=True each layer's
+    recompute runs a backward inside the Trainer's backward, while the params outside the layers (lm_head, the
+    final norm) wait in the bucket. Release steps every param in backward all the same: none holds a grad at the
+    optimizer step, the Trainer's default clipping clips nothing and logs 0.0 (as without checkpointing), and the
+    run equals the unclipped one without release, bit for bit, with accumulation."""
+    extra = dict(max_steps=3, save_strategy="no", gradient_accumulation_steps=2, activation_checkpointing=True,
+                 activation_checkpointing_kwargs={"use_reentrant": reentrant})
+    seen = GradsAtTheStep()
+    released, losses, trainer = train(device, tmp_path / "r", _released(True), max_grad_norm=1.0, callbacks=[seen],
+                                      **extra)
+    unclipped, unclipped_losses, _ = train(device, tmp_path / "u", _released(False), max_grad_norm=0.0, **extra)
+    _, _, clipped_trainer = train(device, tmp_path / "c", _released(False), max_grad_norm=1.0, **extra)
+    assert seen.held == [[]] * 3
+    norms = [[e["grad_norm"] for e in t.state.log_history if "grad_norm" in e] for t in (trainer, clipped_trainer)]
+    assert norms[0] == [0.0] * 3
+    assert min(norms[1]) > 1.0  # without release the same clipping acts on every step
+    for (name, a), b in zip(released.state_dict().items(), unclipped.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+    assert losses == unclipped_losses
+    assert trainer.optimizer.optimizer._release.flushes > 0

@@ -1,9 +1,15 @@
 """Lightning with fastoptim: fit, checkpoint and resume equal a straight run; 32-bit equals torch.optim; gradient
-release equals the run without it (with accumulation: through fastoptim.integrations.lightning's callback)."""
+release equals the run without it (with accumulation: through fastoptim.integrations.lightning's callback; under
+strategy="ddp": tied to Lightning's DDP model, in lightning_ddp_worker.py)."""
 
 from __future__ import annotations
 
 import functools
+import json
+import os
+import pathlib
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -130,3 +136,25 @@ def test_the_callback_refuses_what_release_cannot_do(setting, tmp_path, device):
         match = "GradScaler .*precision='16-mixed'"
     with pytest.raises(ValueError, match=match):
         fit(tmp_path, _adamw(True), callbacks=[GradientRelease()], device=device, checkpoint=False, **extra)
+
+
+@pytest.mark.slow
+def test_gradient_release_tied_to_lightnings_ddp_model(tmp_path):
+    """strategy="ddp", two CPU processes (gloo): configure_optimizers runs after Lightning wrapped the model in
+    DDP, so ``opt.release_with(self.trainer.strategy.model)`` ties release there; with accumulate_grad_batches=2
+    (Lightning's no_sync micro-batch, the callback) the params equal the same fit without release bit for bit, and
+    no grad is held at any optimizer step. (Launching the ranks, each importing Lightning, is most of the time.)"""
+    pytest.importorskip("lightning.pytorch")
+    worker = pathlib.Path(__file__).with_name("lightning_ddp_worker.py")
+    out = tmp_path / "ddp.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
+        [str(pathlib.Path(fastoptim.__file__).parents[1]), os.environ.get("PYTHONPATH", "")]))
+    run = subprocess.run([sys.executable, str(worker), str(out)], capture_output=True, text=True, timeout=600,
+                         env=env, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(out.read_text())
+    released, ordinary = result["released"], result["ordinary"]
+    assert result["world"] == 2
+    assert released["params"] == ordinary["params"]
+    assert released["held"] == [0] * 3 and ordinary["held"] == [6] * 3
+    assert released["buckets"] >= 3

@@ -16,6 +16,11 @@ A second stepping backward before ``opt.step()`` or ``zero_grad()`` is refused (
 would step once on the sum of both grads. That also catches Lightning's accumulating micro-batches, whose backward
 runs outside ``optimizer.step`` with nothing global to say so (``integrations.lightning.GradientRelease`` says it).
 
+A backward run inside the stepping one (reentrant checkpointing: each segment's recompute backpropagates from its
+Function's backward, as a graph task of its own) is part of it (``release_state.Backward``): its params join the
+same bucket, and the outer backward's end steps what is left. A param used in two such segments, or in one and
+outside it, gets its grad in two parts, and the second is refused as above.
+
 Under torch.distributed with world size > 1 a param's hook sees its local grad: it is refused at its first
 backward, unless the optimizer is tied to the DDP model (``opt.release_with(ddp_model)``, ``release_ddp``), whose
 comm hook then steps each DDP bucket after its all-reduce while these hooks step nothing.
@@ -29,14 +34,13 @@ from __future__ import annotations
 
 import weakref
 
-import torch
 from torch import Tensor
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ..storage.state import is_dtensor
 from . import release_ddp
 from .release_norm import NormPass, counting
-from .release_state import FREED, OWNERS, accelerate_accumulates, accelerate_scales, forget, owns
+from .release_state import FREED, OWNERS, Backward, accelerate_accumulates, accelerate_scales, forget, owns
 
 MAX_BUCKET_BYTES = 32 << 20   # the default bucket: 1/32 of the params' bytes, at most this
 MIN_BUCKET_BYTES = 1 << 20    # ... and at least this: each bucket's step has a fixed Python cost (measured in
@@ -65,7 +69,7 @@ class Release:
         self.stepped: set[int] = set()  # params stepped in backward, their grads freed, since the last step()
         self.ready: list[Tensor] = []
         self.ready_bytes = 0
-        self.queued_for = None  # the backward (autograd graph task) whose end steps what is left
+        self.backward = Backward(self._end_of_backward)  # the stepping backward running, whose end steps what is left
         self.world = 1  # torch.distributed's world size, read at the start of each backward
         self.accumulates = False  # whether accelerate says this backward accumulates, read at its start
         self.paused = 0  # ``accumulating()`` depth
@@ -185,23 +189,20 @@ class Release:
 
     def _starting(self, stepper) -> None:
         """Once per stepping backward, at its first param: what the backward is, and what a step would refuse,
-        refused before its first bucket steps; its end steps what is left."""
-        task = torch._C._current_graph_task_id()
-        if self.queued_for == task:
+        refused before its first bucket steps; its end steps what is left. A backward inside it (reentrant
+        checkpointing) adds to its bucket."""
+        if not self.backward.starts():
             return
         self.world = release_ddp.world_size()
         self.accumulates = accelerate_accumulates()  # (set before a backward, read once per backward)
+        self.ready, self.ready_bytes = [], 0  # (left by a backward that raised: their grads stay for step())
         if accelerate_scales():  # refused before anything steps (plain GradScaler: at its step, after)
             raise RuntimeError(f"{stepper.name}: accelerate's fp16 mixed precision: "
                                + GRADSCALER_WHY.format(moved="Nothing has stepped. "))
         if not self.accumulates:  # (an accumulating backward refuses nothing: the step will)
             stepper.check_groups()
-        torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
-        self.queued_for = task
-        self.ready, self.ready_bytes = [], 0  # (left by a backward that raised: their grads stay for step())
 
     def _end_of_backward(self) -> None:
-        self.queued_for = None
         stepper = self.stepper()
         if stepper is not None and self.ready:
             self.flush(stepper)
@@ -223,10 +224,11 @@ class Release:
 
 
 RELEASED_TWICE = ("gradient_release=True: a param got a second grad to step on since the last opt.step() or "
-                  "zero_grad(): a second backward before the step (two losses backpropagated apart, a backward "
-                  "inside backward such as reentrant checkpointing) would step it again on part of its grad, where "
-                  "torch.optim steps once on their sum. It stepped on the first; this one is refused. Backpropagate "
-                  "the earlier ones under `with opt.accumulating():` (Lightning's accumulate_grad_batches: "
+                  "zero_grad(): a second backward before the step (two losses backpropagated apart), or a param "
+                  "used in two segments of reentrant checkpointing, or in one and outside it (each segment's "
+                  "recompute backpropagates apart), would step it again on part of its grad, where torch.optim "
+                  "steps once on their sum. It stepped on the first; this one is refused. Backpropagate the "
+                  "earlier ones under `with opt.accumulating():` (Lightning's accumulate_grad_batches: "
                   "callbacks=[fastoptim.integrations.lightning.GradientRelease()]), call opt.step() after each "
                   "backward, or use torch.utils.checkpoint with use_reentrant=False. (Or this optimizer is kept "
                   "alive beside a newer torch.optim optimizer over the same params: delete it)")

@@ -92,7 +92,6 @@ class DDPTie:
         self.params = WeakIdKeyDictionary({p: True for p in ddp_model.parameters() if p.requires_grad})
         self.pending: list[tuple[object, object]] = []  # (bucket, its all-reduce's future), not stepped yet
         self.stepped: list[Tensor] = []  # params stepped in this backward: their grads are set to None at its end
-        self.queued_for = None
         self.buckets_stepped = 0  # (tests check that the tie stepped)
         self.grad_storage: dict[int, int] = {}  # id(param) -> where its grad lay as the reducer was to take it
 
@@ -121,13 +120,14 @@ class DDPTie:
         stepper = self.rel.stepper()
         if stepper is None or self.rel.paused or accelerate_accumulates():
             return future  # accumulating: reduced, not stepped
-        task = torch._C._current_graph_task_id()
-        if self.queued_for != task:  # a new backward
-            self.queued_for, self.pending, self.stepped = task, [], []
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+        if bucket.index() == 0:  # a new backward (DDP reduces its buckets in order): one that raised left these
+            self.pending, self.stepped = [], []
         if self.pending:  # the bucket before this one: its all-reduce has run beside the backward since
             self._step(stepper, *self.pending.pop())
         self.pending.append((bucket, future))
+        if bucket.is_last():  # DDP queues its end-of-backward callback next, in this same graph task: a backward
+            # inside the outer one (reentrant checkpointing's recompute) where the last bucket fills there
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
         return future
 
     def _step(self, stepper, bucket, future) -> None:
@@ -145,12 +145,11 @@ class DDPTie:
             self.buckets_stepped += 1
 
     def _end_of_backward(self) -> None:
-        # DDP's own end-of-backward callback (which writes the reduced grads back) was queued later in this
-        # backward than this one: queued again, this runs after it
+        # DDP's own end-of-backward callback (which writes the reduced grads back) was queued just after this one:
+        # queued again, this runs after it
         torch.autograd.Variable._execution_engine.queue_callback(self._after_ddp)
 
     def _after_ddp(self) -> None:
-        self.queued_for = None
         stepper = self.rel.stepper()
         pending, self.pending = self.pending, []
         if stepper is not None:

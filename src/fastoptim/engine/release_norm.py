@@ -15,8 +15,10 @@ the factor is the ordinary step's, bit for bit.
 Cost: one more backward per optimizer step (a backward is about two thirds of a training step's compute); memory:
 the graph is kept from the first backward to the second (as it is kept at the start of any backward). Without a
 measured norm a released bucket with ``max_grad_norm`` refuses to step (before anything changed), so clipping is
-never skipped in silence; a param measured twice in one window (a backward inside a backward: reentrant
-checkpointing) is refused, as its norm would be of part of its grad.
+never skipped in silence. Under reentrant checkpointing each segment's recompute runs a backward inside the
+measuring one; its params' grads are whole, and the norm is taken at the end of the outer backward. A param measured
+twice in one window (used in two such segments, or in one and outside it) is refused, as its norm would be of part of
+its grad.
 """
 
 from __future__ import annotations
@@ -26,15 +28,16 @@ import weakref
 from contextlib import contextmanager
 from typing import Iterator
 
-import torch
 from torch import Tensor
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .. import clip
+from .release_state import Backward
 
-MEASURED_TWICE = ("a param's grad was measured twice in one window by measure_grad_norm(): a backward inside the "
-                  "measuring backward (reentrant checkpointing: use torch.utils.checkpoint with use_reentrant=False), "
-                  "or two measuring backwards before one opt.step(). Nothing has stepped")
+MEASURED_TWICE = ("a param's grad was measured twice in one window by measure_grad_norm(): a param used in two "
+                  "segments of reentrant checkpointing, or in one and outside it (each segment's recompute "
+                  "backpropagates apart: use torch.utils.checkpoint with use_reentrant=False), or two measuring "
+                  "backwards before one opt.step(). Nothing has stepped")
 NOT_MEASURED = ("max_grad_norm with gradient_release=True: the global grad norm of this step was not measured, and a "
                 "released bucket cannot be clipped without it. Measure it in a backward of its own first:\n"
                 "    with opt.measure_grad_norm():\n        loss.backward(retain_graph=True)\n    loss.backward()\n"
@@ -59,7 +62,7 @@ class NormPass:
         self._stepper = weakref.ref(stepper)
         self.handles = WeakIdKeyDictionary()  # param -> its hook's handle
         self.measuring = 0
-        self.queued_for = None
+        self.backward = Backward(self._measured)  # the measuring backward running (one inside it is part of it)
         self.kept: dict[int, Tensor] = {}  # id(param) -> its grad before this backward, while it accumulates
         self.norms: dict[int, tuple | None] = {}  # id(param) -> its (key, norm), None if empty, in this window
         self.factor: Tensor | None = None  # the measured window's clip factor, until ``step()`` ends it
@@ -102,10 +105,7 @@ class NormPass:
             return False
         if id(p) in self.norms:
             raise RuntimeError(f"{self._stepper().name}: {MEASURED_TWICE}")
-        task = torch._C._current_graph_task_id()
-        if self.queued_for != task:  # (each backward's end takes the window's norm so far: the last one counts)
-            torch.autograd.Variable._execution_engine.queue_callback(self._measured)
-            self.queued_for = task
+        self.backward.starts()  # (each backward's end takes the window's norm so far: the last one counts)
         grad = p.grad if p.grad.dtype == p.dtype else p.grad.to(p.dtype)  # (as ``opt.step()`` reads it)
         self.norms[id(p)] = clip.tensor_norm(grad)
         kept = self.kept.pop(id(p), None)
@@ -118,7 +118,6 @@ class NormPass:
     def _measured(self) -> None:
         """The end of the measuring backward: the norm of the grads this window steps on, in ``opt.step()``'s order
         (a param the pass did not reach counts with the grad it holds), and its clip factor."""
-        self.queued_for = None
         self.kept.clear()
         stepper = self._stepper()
         norms = self.norms

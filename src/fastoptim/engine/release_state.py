@@ -1,11 +1,13 @@
 """What a param's release hook reads besides its optimizer: which optimizer releases the param (the newest to hook
-it), and what accelerate says about the backward running (it accumulates; fp16 with a GradScaler)."""
+it), whether the backward running is a new one (``Backward``), and what accelerate says about it (it accumulates;
+fp16 with a GradScaler)."""
 
 from __future__ import annotations
 
 import sys
 import weakref
 
+import torch
 from torch import Tensor
 
 # id(param) -> a weak reference to the Release that steps it (the newest to hook it), or to the ``Claim`` of a newer
@@ -52,6 +54,39 @@ def owns(rel: "Release", p: Tensor) -> bool:
         return False  # a newer optimizer releases it
     OWNERS[id(p)] = rel.ref
     return True
+
+
+class Backward:
+    """The outermost backward running, as one part of release sees it: ``starts()`` is True at its first call in a
+    backward, which queues ``end`` for that backward's end, and False at later calls until ``end`` has run. A
+    backward started inside it (reentrant checkpointing: each segment's recompute runs a backward of its own from
+    a Function's backward, a new graph task with its own end) is part of it: the grads it writes are whole, and its
+    end is not the outer one's. The engine holds a queued callback as long as its graph task lives, so a weak
+    reference to it tells a backward still running from one that raised (whose callback never runs)."""
+
+    def __init__(self, end):
+        self.end = end
+        self.running: weakref.ref | None = None  # the callback queued by the backward running
+
+    def starts(self) -> bool:
+        running = self.running
+        if running is not None and running() is not None:
+            return False
+        callback = _EndOfBackward(self)
+        torch.autograd.Variable._execution_engine.queue_callback(callback)
+        self.running = weakref.ref(callback)
+        return True
+
+
+class _EndOfBackward:
+    __slots__ = ("backward", "__weakref__")
+
+    def __init__(self, backward: Backward):
+        self.backward = backward
+
+    def __call__(self) -> None:
+        self.backward.running = None
+        self.backward.end()
 
 
 def accelerate_accumulates() -> bool:
