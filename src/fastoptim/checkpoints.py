@@ -13,7 +13,11 @@ from . import storage
 
 def export(sd: dict[str, Any], rule) -> dict[str, Any]:
     """torch.optim's ``state_dict()`` of this optimizer as it is saved: step counters (and the rule's host states)
-    as 0-d float tensors, as torch.optim writes them; quantized states as their parts."""
+    as 0-d float tensors, as torch.optim writes them; quantized states as their parts; the settings the rule keeps
+    out of checkpoints (``Rule.unsaved_hypers``: a function, say) left out, so the loading optimizer keeps its own."""
+    for group in sd["param_groups"]:  # (torch's copies)
+        for k in rule.unsaved_hypers:
+            group.pop(k, None)
     scalar_dtype = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
     exported = {}
     for index, state in sd["state"].items():

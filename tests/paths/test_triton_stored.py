@@ -547,6 +547,7 @@ def test_bf16_params_rounded_in_the_kernel_as_the_staged_path_rounds_them(interp
     staged = spec.cls(staged_p, impl="fused", **low, **options)
     loop = spec.cls(loop_p, impl="loop", **low, **options)
     flipped = False  # a stored code one apart from the loop level's (see _assert_same_stored) moves later params
+    start = _clone(loop_p)
     for step in range(1, 4):
         for a, b, c in zip(ours_p, staged_p, loop_p):
             a.grad = torch.randn(a.shape, generator=g).bfloat16()
@@ -565,7 +566,8 @@ def test_bf16_params_rounded_in_the_kernel_as_the_staged_path_rounds_them(interp
                 assert ours.state[a][storage.RNG].tolist() == [storage.rounding_seed(i), step]
                 assert torch.equal(ours.state[a][storage.RNG], loop.state[c][storage.RNG])
             else:
-                assert ours.state[a][storage.KAHAN].abs().max() > 0  # the compensation is kept
+                if not torch.equal(c, start[i]):  # (ADOPT's first step moves no param)
+                    assert ours.state[a][storage.KAHAN].abs().max() > 0  # the compensation is kept
                 compensated = a.float() + ours.state[a][storage.KAHAN].float()
                 # (the compensation is bf16: an fp32 ulp between the two new params, from torch's CPU sqrt, can
                 # move it by a bf16 ulp of itself, up to 2**-16 of the param)

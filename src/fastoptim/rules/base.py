@@ -6,7 +6,8 @@ A rule supplies
   * ``validate``      raises ``ValueError`` naming the bad hyper-parameter;
   * ``active``        which of ``state_names`` a group needs (e.g. ``max_exp_avg_sq`` only with amsgrad);
   * ``named_flags``   booleans fixed for a run (branch conditions inside ``update``), by name;
-  * ``named_scalars`` host-side numbers for one step (bias corrections, step size, ``1 - lr*wd``), by name;
+  * ``named_scalars`` host-side numbers for one step (bias corrections, step size, ``1 - lr*wd``, the value of a
+                      hyper-parameter that is a function of the step), by name;
   * ``host_states``   torch's per-param 0-d states (NAdam's ``mu_product``, ASGD's ``eta`` and ``mu``), kept as host
                       floats and moved by ``host_step``; ``scalars`` gets their values before the step;
   * ``update``        the elementwise math: ``update(p, g, *states, *scalars, *FLAGS) -> (p, *states)``.
@@ -103,6 +104,9 @@ class Rule:
     # defaults every group gets that ``optimizer.defaults`` does not list (Muon's AdamW groups' betas: torch's
     # schedulers cycle ``betas`` where defaults list them, and Muon's ``momentum`` must be what they cycle)
     group_only: ClassVar[frozenset] = frozenset()
+    # hyper-parameters ``state_dict()`` leaves out of each saved group (a function: torch.save would pickle it by
+    # name, and torch.load(weights_only=True) refuses it); a loaded group keeps the loading optimizer's own value
+    unsaved_hypers: ClassVar[frozenset] = frozenset()
     # read from ``update``'s (or the stages') signature when the class is defined: the order the levels pass
     scalar_names: ClassVar[tuple[str, ...]] = ()
     flag_names: ClassVar[tuple[str, ...]] = ()
@@ -292,6 +296,10 @@ def check_declaration(rule: Rule) -> None:
         own = rule.for_group(group)
         own.flags(group)
         own.scalars(group, 1, *own.host_start(group))
+    for name in rule.unsaved_hypers:
+        if name not in rule.defaults:
+            raise TypeError(f"{type(rule).__name__}.unsaved_hypers names {name!r}, not one of its hyper-parameters "
+                            f"{tuple(rule.defaults)}")
     for name in rule.unsigned_states:
         if name not in rule.state_names:
             raise TypeError(f"{type(rule).__name__}.unsigned_states names {name!r}, not one of {rule.state_names}")

@@ -4,6 +4,8 @@ Each dispatches through a method, so one rule source runs on a ``torch.Tensor`` 
 ``TensorList`` (foreach level). The fused level swaps these module globals for Triton's.
 """
 
+from torch import Tensor
+
 
 def sqrt(x):
     return x.sqrt()
@@ -14,6 +16,10 @@ def sign(x):
 
 
 def maximum(a, b):
+    """torch.maximum: NaN wins. ``b`` is a tensor or a scalar (``maximum(sqrt(v), eps)``); a torch.Tensor's
+    ``maximum`` takes no scalar, and ``clamp_min`` is the same operation on one."""
+    if isinstance(a, Tensor) and isinstance(b, (int, float)):
+        return a.clamp_min(b)
     return a.maximum(b)
 
 
