@@ -182,7 +182,7 @@ def test_a_param_that_misses_a_step_keeps_its_kernel_tables(monkeypatch):
     """On the Triton kernel (interpreted): the two buckets' tensor tables are built once, not every step."""
     pytest.importorskip("triton")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    from fastoptim.paths import triton_kernels as tk
+    from fastoptim.paths.triton import kernels as tk
     spec, ours, ours_p, ref, ref_p, g = _pair("adamw", "fused")
     _grads(g, ours_p, ref_p)
     ours.step()

@@ -16,7 +16,7 @@ pytest.importorskip("triton")
 from conftest import (ELEMENTWISE, ELEMENTWISE_CASES, assert_params_close, assert_state_close, clone_params,  # noqa: E402
                       make_params, pairwise_with, same_random_grads, set_grads)
 from fastoptim.levels import record_paths  # noqa: E402
-from fastoptim.paths import triton_kernels as tk  # noqa: E402
+from fastoptim.paths.triton import kernels as tk  # noqa: E402
 from fastoptim.registry import OPTIMIZERS  # noqa: E402
 
 # Kernel tests: the elementwise kernels run a rule's ``update``, which staged rules (Muon, Adafactor) do not have:

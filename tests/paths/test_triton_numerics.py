@@ -13,7 +13,7 @@ pytest.importorskip("triton")
 
 from conftest import ELEMENTWISE, ELEMENTWISE_CASES, assert_state_close  # noqa: E402
 from fastoptim.levels import record_paths  # noqa: E402
-from fastoptim.paths import triton_kernels as tk  # noqa: E402
+from fastoptim.paths.triton import kernels as tk  # noqa: E402
 from fastoptim.registry import OPTIMIZERS  # noqa: E402
 
 # Kernel tests: the elementwise kernels run a rule's ``update``, which staged rules (Muon, Adafactor) do not have:

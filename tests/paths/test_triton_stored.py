@@ -1,4 +1,4 @@
-"""The fused level's Triton kernel for 16/8/4-bit state (``fastoptim.levels.triton_stored``), proven without a
+"""The fused level's Triton kernel for 16/8/4-bit state (``fastoptim.paths.triton.stored``), proven without a
 GPU: run by Triton's interpreter on CPU tensors, and compiled ahead of time for sm_80 and sm_90.
 
 Two oracles, every step, every test asserting through ``record_paths`` that the kernel ran (not staged):
@@ -28,7 +28,7 @@ from fastoptim.engine import dispatch as levels  # noqa: E402
 from fastoptim.paths.triton import TRITON_STORED  # noqa: E402
 from fastoptim.storage import quant  # noqa: E402
 from fastoptim.levels import record_paths  # noqa: E402
-from fastoptim.paths import triton_stored as ts  # noqa: E402
+from fastoptim.paths.triton import stored as ts  # noqa: E402
 from stored_state import FLIPPED_PARAM_ATOL  # noqa: E402
 from conftest import ELEMENTWISE, ELEMENTWISE_CASES, STORED, pairwise_with, quantized, same_random_grads  # noqa: E402
 from fastoptim.registry import OPTIMIZERS  # noqa: E402

@@ -483,7 +483,7 @@ def test_user_programs_with_low_bit_state_on_the_triton_kernel(monkeypatch, bits
     tensors), under the same user programs: checkpoints, resets, added groups, GradScaler. Steps where only
     plain-state params have grads take other paths, so the kernel is counted over the whole run."""
     pytest.importorskip("triton")
-    from fastoptim.paths import triton_stored
+    from fastoptim.paths.triton import stored as triton_stored
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     launches = []

@@ -16,7 +16,7 @@ A codec owns, for its format:
   (``kernel_block``, ``walk``, ``tables``), ``columns``/``cpp`` (the table's columns and the declarations, load
   and store the CPU kernel's template ``native/step_kernel.cpp`` is filled with: ``paths.cpu_kernel.kernels``)
   and ``triton_pointers``/``triton_tables``/``triton_prelude``/``triton_load``/``triton_store`` (the lines of
-  the Triton kernel over stored state: ``paths.triton_stored``).
+  the Triton kernel over stored state: ``paths.triton.stored``).
 
 Adding a format is one module here that defines its ``Codec`` (``base``), its line in the list below, and its
 kernel hooks (a format the kernels are not offered, ``kernel_format`` None, runs on the staged path, which needs

@@ -1,6 +1,6 @@
 """The Triton paths (CUDA, and CPU tensors under ``TRITON_INTERPRET=1``): the generated multi-tensor kernel
-(``triton_kernels``), one launch per bucket, for fp32, bf16 and fp16 (complex64 through its real view); and its
-twin for 16/8/4-bit state (``triton_stored``), which loads and stores each state in registers, one launch per
+(``kernels``), one launch per bucket, for fp32, bf16 and fp16 (complex64 through its real view); and its
+twin for 16/8/4-bit state (``stored``), which loads and stores each state in registers, one launch per
 bucket and state formats, and also rounds bf16 params stochastically or with Kahan's compensation. Both read
 GradScaler's found_inf inside the kernel (no host sync)."""
 
@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from ..native import bulk
-from .base import Bucket, Path, StepContext, is_dtensor, subset
+from ...native import bulk
+from ..base import Bucket, Path, StepContext, is_dtensor, subset
 
 
 class Triton(Path):
@@ -24,12 +24,12 @@ class Triton(Path):
         return True
 
     def takes(self, bucket: Bucket, ctx: StepContext) -> list[int] | None:
-        from . import triton_kernels
+        from . import kernels as triton_kernels
 
         return None if triton_kernels.takes(bucket.params[0].dtype) else []
 
     def run(self, part: Bucket, ctx: StepContext) -> list[int] | None:
-        from . import triton_kernels
+        from . import kernels as triton_kernels
 
         table = part.cache.get("triton_table")
         if table is None:
@@ -44,7 +44,7 @@ class Triton(Path):
 def _seen(bucket: Bucket, by_formats: dict[tuple, list[int]]) -> tuple:
     """What the state tensors of the params the kernel takes are now (kinds and addresses): the split holds while
     they stay so."""
-    from ..storage import codecs
+    from ...storage import codecs
 
     states = [t for formats, indices in by_formats.items() for k, fmt in enumerate(formats) if fmt is not None
               for i in indices for t in codecs.of(fmt).tensors(bucket.states[k][i])]
@@ -71,7 +71,7 @@ class TritonStored(Path):
         """The params the kernel takes, by their state formats, and the rest: worked out once per bucket and
         again when a grad's dtype, contiguity or shape changes, or a taken param's state tensors were re-laid,
         re-typed or moved in place (``takes`` and ``run`` both ask, each step)."""
-        from . import triton_stored
+        from . import stored as triton_stored
 
         grads = bulk.kinds(bucket.grads)
         cached = bucket.cache.get(("triton_stored_split", rounding))
@@ -87,7 +87,7 @@ class TritonStored(Path):
 
     @staticmethod
     def _rounding_states(bucket: Bucket, ctx: StepContext) -> list:
-        from .. import storage
+        from ... import storage
 
         return [storage.rounding_state(*ctx.entries(i), ctx.rounding) for i in range(len(bucket.params))]
 
@@ -106,8 +106,8 @@ class TritonStored(Path):
         return None
 
     def run(self, part: Bucket, ctx: StepContext) -> None:
-        from . import triton_stored
-        from .. import storage
+        from . import stored as triton_stored
+        from ... import storage
 
         rounding = ctx.rounding
         by_formats, _ = self._by_formats(part, rounding)

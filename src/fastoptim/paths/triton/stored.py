@@ -1,6 +1,6 @@
 """The fused level's Triton kernel for 16/8/4-bit state: load, update and store the state in registers.
 
-Where ``triton_kernels`` steps plain state, this kernel steps params whose states are kept as ``storage``
+Where ``kernels`` steps plain state, this kernel steps params whose states are kept as ``storage``
 keeps them, in one launch per bucket (and state formats) and one pass over memory, no temporaries:
 
 * the work is the codec's blocks (``quant``: 256 elements at 8 bits, 128 at 4, along each row, never
@@ -18,7 +18,7 @@ keeps them, in one launch per bucket (and state formats) and one pass over memor
 * a tensor whose rows are whole blocks and whose addresses are 16-byte aligned takes a branch with
   alignment hints (vector loads and stores of codes, params and grads); any other tensor (ragged rows,
   odd addresses) the masked branch with per-block offsets, so no tensor the formats allow is refused;
-* ``grad_mul`` and ``found_inf`` are read inside the kernel, as in ``triton_kernels``: a step GradScaler
+* ``grad_mul`` and ``found_inf`` are read inside the kernel, as in ``kernels``: a step GradScaler
   skips stores nothing;
 * bf16 params with ``rounding="stochastic"``: loaded as bits, stepped in fp32, rounded back with the bits
   ``storage.stochastic_round`` draws (16 bits of mix32(element index + the step's key) added to the fp32
@@ -46,11 +46,11 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .base import pack_scalars, took
-from .triton_kernels import ALIGN, NUM_WARPS, PROLOGUE, _exec_source, _jit, interpreting, triton_twin
-from .. import storage
-from ..native import bulk
-from ..storage import Format, codecs
+from ..base import pack_scalars, took
+from .kernels import ALIGN, NUM_WARPS, PROLOGUE, _exec_source, _jit, interpreting, triton_twin
+from ... import storage
+from ...native import bulk
+from ...storage import Format, codecs
 
 TILE_ELEMENTS = 2048  # elements per tile: 16 per thread at 4 warps, one 128-bit load of 8-bit codes
 CHUNK_TILES = 8      # tiles per program

@@ -43,7 +43,7 @@ import triton.language as tl
 from torch import Tensor
 from triton.runtime.jit import JITFunction
 
-from .base import pack_scalars, took
+from ..base import pack_scalars, took
 
 CHUNK = 1 << 16
 BLOCK = 1024
@@ -176,7 +176,7 @@ def triton_twin(update: Callable, interpret: bool = False):
 
 # --- the multi-tensor kernel, generated for a rule's arity ---------------------------------------------
 
-# both kernels' first lines (``triton_stored`` too): the scalars read on the device where they are tensors, and
+# both kernels' first lines (``stored`` too): the scalars read on the device where they are tensors, and
 # the step skipped where GradScaler found an inf
 PROLOGUE = '''    if SCALARS_IN_MEMORY:  # tensor-valued hyper-parameters: read on the device, never synced to the host
 {scalar_loads}
