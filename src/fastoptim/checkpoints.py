@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -44,10 +44,18 @@ def to_torch(sd: dict[str, Any], params: list[Tensor]) -> dict[str, Any]:
     return sd
 
 
-def check_loaded(state_dict: dict[str, Any], *, groups: list[dict], optimizer_rule, state_format) -> list[tuple]:
+class Kept(NamedTuple):
+    """A saved state to put in as it is (past torch's loader, which casts every state to its param's dtype)."""
+    index: int
+    param: Tensor
+    name: str
+    value: Any
+
+
+def check_loaded(state_dict: dict[str, Any], *, groups: list[dict], optimizer_rule, state_format) -> list[Kept]:
     """Everything torch.optim would only find halfway through loading, found before anything changes.
-    Returns the states to keep as saved, past torch's casting: (index, param, name, value), quantized
-    states checked and copied, and 16-bit ones where this optimizer keeps that state at 16 bits."""
+    Returns the states to keep as saved, past torch's casting (``Kept``): quantized states checked and copied,
+    and 16-bit ones where this optimizer keeps that state at 16 bits."""
     if not isinstance(state_dict, dict) or "state" not in state_dict or "param_groups" not in state_dict:
         raise ValueError("state_dict must be a dict with 'state' and 'param_groups' entries")
     saved_groups = state_dict["param_groups"]
@@ -89,7 +97,7 @@ def check_loaded(state_dict: dict[str, Any], *, groups: list[dict], optimizer_ru
                 if why:
                     raise ValueError(f"loaded state dict's {name!r} for param {index} {why}")
             if name == storage.RNG:  # the rounding's random stream: [seed, draws]
-                kept.append((index, p, name, value.clone()))  # past torch's loader, which casts to bf16
+                kept.append(Kept(index, p, name, value.clone()))  # past torch's loader, which casts to bf16
                 continue
             shape = rule.state_shape(name, p)
             if shape is not None and tuple(value.shape) != shape:
@@ -103,14 +111,14 @@ def check_loaded(state_dict: dict[str, Any], *, groups: list[dict], optimizer_ru
                 # kept in several tensors here (8/4-bit): converted as it loads, span by span, so neither a
                 # copy of the saved tensor nor torch's cast of it is ever made
                 try:
-                    kept.append((index, p, name, storage.codecs.of(fmt).adopt(value, p, fmt)))
+                    kept.append(Kept(index, p, name, storage.codecs.of(fmt).adopt(value, p, fmt)))
                 except ValueError as e:
                     raise ValueError(f"loaded state dict's {name!r} for param {index} {e}") from None
             elif value.dtype != p.dtype and value.dtype == kept_as:  # kept as saved (bf16)
-                kept.append((index, p, name, value.to(p.device, copy=True)))
+                kept.append(Kept(index, p, name, value.to(p.device, copy=True)))
         for name, saved in parts.items():
             try:
-                kept.append((index, p, name, storage.import_quantized(name, saved, p)))
+                kept.append(Kept(index, p, name, storage.import_quantized(name, saved, p)))
             except ValueError as e:
                 raise ValueError(f"loaded state dict's param {index}: {e}") from None
     return kept

@@ -220,7 +220,7 @@ class FastOptimizer(torch.optim.Optimizer):
                                         state_format=self._stepper.state_format)
         # cloned so that stepping never writes into the caller's checkpoint dict; stored states (quantized,
         # 16-bit) go past torch's loader, which casts every state to the param's dtype
-        kept_names = {(index, name) for index, _, name, _ in kept}
+        kept_names = {(k.index, k.name) for k in kept}
         state_dict = dict(state_dict)
         # a setting the checkpoint lacks (torch.optim.Muon's has no use_muon or ns_dtype) keeps this group's value
         state_dict["param_groups"] = [{**{k: v for k, v in group.items() if k != "params"}, **saved}
@@ -235,8 +235,8 @@ class FastOptimizer(torch.optim.Optimizer):
             for k in STORAGE_SETTINGS:
                 group.pop(k, None)
             group.update(settings)
-        for _, p, name, value in kept:
-            self._stepper.state[p][name] = value
+        for k in kept:
+            self._stepper.state[k.param][k.name] = k.value
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()

@@ -9,6 +9,7 @@ import torch
 
 import fastoptim
 from fastoptim import native
+from fastoptim.levels import record_paths
 from fastoptim.native import bulk
 
 
@@ -307,3 +308,43 @@ def test_kinds_change_with_a_tensors_dtype_contiguity_or_shape(check):
     assert bulk.kinds([grads[0].t().contiguous()]) == bulk.kinds([torch.zeros(6, 4)])  # where it lies: not a kind
     assert bulk.kinds([torch.zeros(3, 6)[:, :3]]) != bulk.kinds([torch.zeros(3, 3)])  # strided: not contiguous
     assert bulk.kinds([torch.zeros(1, 6)[:, :3]]) == bulk.kinds([torch.zeros(1, 3)])  # contiguous as torch says
+
+
+@pytest.mark.parametrize("state_bits, flat, expected", [
+    (8, False, {"with_grads": 1, "layouts": 1, "set_each": 1, "bump_versions": 1}),
+    (32, False, {"with_grads": 1, "layouts": 1, "set_each": 1, "bump_versions": 1}),
+    (8, True, {"with_grads": 1, "all_set_to": 2, "layouts": 1, "set_each": 1, "bump_versions": 1}),
+])
+def test_a_steady_step_runs_few_bookkeeping_passes(monkeypatch, state_bits, flat, expected):
+    """Each C++ pass walks every tensor; a steady step (its plan reused) runs each at most once: the params with
+    grads (``with_grads``, which also says the grads are dense, so the CPU kernel looks at none of them), the
+    plan's check that params and stored states lie where they did (``layouts``), the step counts (``set_each``, one
+    for the buckets at one count) and the in-place write counted once (``bump_versions``); flat mode checks its
+    param and grad views instead of the params' layouts."""
+    if native.compiler() is None:
+        pytest.skip("no C++ compiler: the C++ passes cannot be built on this machine")
+    assert bulk.unavailable() is None
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(300, 32), torch.nn.Linear(32, 64), torch.nn.LayerNorm(64),
+                                torch.nn.Linear(64, 32))
+    opt = fastoptim.AdamW(model.parameters(), lr=1e-3, state_bits=state_bits, min_quant_size=1024, flat=flat)
+
+    def step():
+        model(torch.randint(0, 300, (8,))).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    for _ in range(3):
+        step()
+    calls = {}
+    real = bulk._native
+
+    def counting(name):
+        calls[name] = calls.get(name, 0) + 1
+        return real(name)
+
+    monkeypatch.setattr(bulk, "_native", counting)
+    with record_paths() as paths:
+        step()
+    assert calls == expected
+    assert ("cpu_kernel" in paths) == (state_bits == 8), paths  # (the stored states stepped in the kernel)

@@ -47,7 +47,7 @@ def scales_in_kernel(*, impl: str, rule, groups: list[dict], settings) -> bool:
         return False
     devices = set()
     for group in groups:  # per-tensor stages and stochastic rounding read found_inf on the host
-        if rule.for_group(group).stages or settings.storage_of(group)[2] == "stochastic":
+        if rule.for_group(group).stages or settings.storage_of(group).rounding == "stochastic":
             return False
         devices.update(p.device for p in group["params"])
     return bool(devices) and all(skips_in_kernel(impl, d) for d in devices)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -28,6 +29,13 @@ from . import amp, dispatch, plan
 from .flat import FlatBucket
 
 
+class StorageSettings(NamedTuple):
+    """How one group keeps its state."""
+    bits: int | str
+    min_quant_size: int
+    rounding: str
+
+
 @dataclass
 class Settings:
     """How an optimizer steps; a group's own ``state_bits``, ``min_quant_size`` and ``rounding`` win over these."""
@@ -38,10 +46,10 @@ class Settings:
     min_quant_size: int = storage.MIN_QUANT_SIZE
     rounding: str = "nearest"
 
-    def storage_of(self, group: dict) -> tuple[int, int, str]:
+    def storage_of(self, group: dict) -> StorageSettings:
         """The group's ``state_bits``, ``min_quant_size`` and ``rounding`` (these where it sets none)."""
-        return (group.get("state_bits", self.state_bits), group.get("min_quant_size", self.min_quant_size),
-                group.get("rounding", self.rounding))
+        return StorageSettings(group.get("state_bits", self.state_bits),
+                               group.get("min_quant_size", self.min_quant_size), group.get("rounding", self.rounding))
 
 
 @dataclass
@@ -109,9 +117,9 @@ class Stepper:
             for key, step_plan, w, rule in zip(keys, plans, work, rules):
                 if step_plan is not None:
                     self._commit(key, step_plan)
-                    bits, _, rounding = self.settings.storage_of(w.group)
+                    kept = self.settings.storage_of(w.group)
                     dispatch.run_plan(impl=self.settings.impl, rule=rule, step_plan=step_plan, group=w.group,
-                                      grads=w.grads, step_amp=step_amp, bits=bits, rounding=rounding,
+                                      grads=w.grads, step_amp=step_amp, bits=kept.bits, rounding=kept.rounding,
                                       entry_of=self._entry_of, dense_grads=w.dense, written=written)
         finally:  # (what ran is counted, also where a later bucket raised)
             if written:
@@ -137,7 +145,7 @@ class Stepper:
                            state_format=self.state_format, param_index=self.param_index,
                            flat_buckets=self.flat_buckets[w.index] if self.settings.flat else None)
         built.active = shape
-        built.plain_watched = shape[2][0] != 32  # (16/8/4-bit state: a plain state stays plain, ``plan``)
+        built.plain_watched = shape[2].bits != 32  # (16/8/4-bit state: a plain state stays plain, ``plan``)
         return built
 
     def _commit(self, key, step_plan: plan.Plan) -> None:
