@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 from torch import Tensor
@@ -71,16 +70,16 @@ class StepAmp:
         return self.found_inf.clone(), None, self.taken
 
 
-def begin_step(impl: str, found_inf, rules: list, grad_mul: Callable[[], Tensor | None]) -> StepAmp | None:
-    """The step's ``StepAmp``, or None where GradScaler saw inf/NaN grads and no kernel can skip the step by
-    itself (read on the host here: the step changes nothing). ``grad_mul`` is asked only for a step that runs."""
+def begin_step(impl: str, found_inf, rules: list) -> StepAmp | None:
+    """The step's ``StepAmp`` (its ``grad_mul`` for the caller to set), or None where GradScaler saw inf/NaN grads
+    and no kernel can skip the step by itself (read on the host here: the step changes nothing)."""
     if found_inf is not None and not isinstance(found_inf, Tensor):  # GradScaler's sum over no grads: 0
         found_inf = torch.tensor(float(found_inf))
     in_kernel = (found_inf is not None and skips_in_kernel(impl, found_inf.device)
                  and not any(rule.stages for rule in rules))
     if found_inf is not None and not in_kernel and found_inf.item() != 0:
         return None
-    return StepAmp(grad_mul(), found_inf if in_kernel else None)
+    return StepAmp(None, found_inf if in_kernel else None)
 
 
 def resolve_skips(pending: list[tuple], state_map) -> None:

@@ -108,10 +108,10 @@ class Stepper:
         """Plan (validating everything first), then run each group's step."""
         plans = [self._plan(w, key) for w, key in zip(work, keys)]
         rules = [self.rule.for_group(w.group) for w in work]
-        step_amp = amp.begin_step(self.settings.impl, found_inf, rules,
-                                  lambda: self._grad_mul(work, grad_scale) if grad_mul is None else grad_mul)
+        step_amp = amp.begin_step(self.settings.impl, found_inf, rules)
         if step_amp is None:
             return  # GradScaler saw inf/NaN grads: this step changes nothing
+        step_amp.grad_mul = self._grad_mul(work, grad_scale) if grad_mul is None else grad_mul
         written: list[Tensor] = []  # (the params to count an in-place write to: one pass over all of them)
         try:
             for key, step_plan, w, rule in zip(keys, plans, work, rules):
