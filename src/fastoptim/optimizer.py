@@ -19,7 +19,8 @@ from torch import Tensor
 
 from . import checkpoints, storage
 from .eager import eager
-from .engine import dispatch, plan, release, release_ddp, release_state
+from .engine import dispatch, release, release_ddp, release_state
+from .engine.state_map import StateMap, as_state_map, quiet_set
 from .engine.stepper import Settings, Stepper
 from .rules import Rule
 
@@ -67,7 +68,7 @@ class FastOptimizer(torch.optim.Optimizer):
                                           or not max_grad_norm > 0):
             raise ValueError(f"Invalid max_grad_norm: {max_grad_norm!r} (must be a number > 0, or None)")
         settings.max_grad_norm = max_grad_norm
-        self._stepper = Stepper(self, self.rule, settings, plan.as_state_map({}))
+        self._stepper = Stepper(self, self.rule, settings, as_state_map({}))
         self._release: release.Release | None = None
         name = type(self).__name__
         bucket_bytes = release.check(name=name, settings=settings, gradient_release=gradient_release,
@@ -92,7 +93,7 @@ class FastOptimizer(torch.optim.Optimizer):
     # --- state: torch's mapping, counting its changes so the step plan never outlives it ---------------
 
     @property
-    def state(self) -> plan.StateMap:
+    def state(self) -> StateMap:
         """Per-param state, as in torch.optim. Under GradScaler on the fused GPU path a step's inf check is
         read one step late; reading ``state`` while one is pending waits for it, so the counts read here
         are always right."""
@@ -104,7 +105,7 @@ class FastOptimizer(torch.optim.Optimizer):
         """A new mapping (``opt.state = defaultdict(dict)`` resets the optimizer). Its per-param dicts stay
         the objects you hold; only the mapping itself is wrapped."""
         self._stepper.resolve_skips()
-        self._stepper.state = plan.as_state_map(value)
+        self._stepper.state = as_state_map(value)
 
     @property
     def last_grad_norm(self) -> Tensor | None:
@@ -258,7 +259,7 @@ class FastOptimizer(torch.optim.Optimizer):
         d = self.__dict__
         d["defaults"].pop("differentiable", None)  # torch's adds it (no rule takes it): groups would get it below
         # (torch writes the state straight into __dict__)
-        loaded = plan.as_state_map(d.pop("state"), adopt=True) if "state" in d else None
+        loaded = as_state_map(d.pop("state"), adopt=True) if "state" in d else None
         if stepper is None:
             settings = Settings(**{k: d.pop(k) for k in ("impl", "flat", "max_grad_norm", "state_bits",
                                                           "min_quant_size", "rounding") if k in d})
@@ -284,7 +285,7 @@ class FastOptimizer(torch.optim.Optimizer):
         for s in stepper.state.values():  # counters are host ints (torch's checkpoints hold 0-d tensors)
             step = s.get("step")
             if isinstance(step, Tensor):
-                plan.quiet_set(s, "step", int(step.item()))
+                quiet_set(s, "step", int(step.item()))
             for name in self.rule.host_states:  # floats, as the step count is
                 if isinstance(s.get(name), Tensor) and s[name].numel() == 1:
-                    plan.quiet_set(s, name, s[name].item())
+                    quiet_set(s, name, s[name].item())

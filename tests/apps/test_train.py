@@ -10,7 +10,7 @@ import torch
 
 from fastoptim.cli import main as cli
 from fastoptim.train import GPT, GPTConfig, TrainConfig, main
-from fastoptim.train.loop import save_checkpoint
+from fastoptim.train import checkpoint
 from conftest import STORED, quantized
 
 
@@ -220,7 +220,7 @@ def test_checkpoint_is_fsynced_before_the_rename_and_its_folder_after(tmp_path, 
     events = _record_file_ops(monkeypatch)
     folder = os.path.realpath(tmp_path)
     path = os.path.join(folder, "ckpt.pt")
-    save_checkpoint(path, {"step": 1, "w": torch.arange(4)})
+    checkpoint.save({"step": 1, "w": torch.arange(4)}, path)
     tmp = f"{path}.tmp.{os.getpid()}"
     assert ("replace", tmp, path) in events
     rename = events.index(("replace", tmp, path))
@@ -235,7 +235,7 @@ def test_dcp_folder_is_fsynced_then_renamed_then_its_parent_fsynced(tmp_path, mo
     from torch.distributed.fsdp import fully_shard
 
     import fastoptim
-    from fastoptim.train.loop import _save_sharded
+    from fastoptim.train.checkpoint import save_sharded
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
@@ -247,7 +247,7 @@ def test_dcp_folder_is_fsynced_then_renamed_then_its_parent_fsynced(tmp_path, mo
         folder = os.path.realpath(tmp_path)
         os.makedirs(os.path.join(folder, "dcp-00000001-0badc0de.tmp"))  # a killed save's leftovers
         events = _record_file_ops(monkeypatch)
-        name = _save_sharded(net, opt, folder, 2, master=True)
+        name = save_sharded(net, opt, folder, 2, master=True)
     finally:
         monkeypatch.undo()
         dist.destroy_process_group()
@@ -292,9 +292,9 @@ class _Unpicklable:
 
 def test_a_save_that_fails_midway_leaves_the_old_checkpoint_and_no_temp_file(tmp_path):
     path = str(tmp_path / "ckpt.pt")
-    save_checkpoint(path, {"step": 1, "w": torch.arange(10)})
+    checkpoint.save({"step": 1, "w": torch.arange(10)}, path)
     with pytest.raises(RuntimeError, match="cannot pickle"):
-        save_checkpoint(path, {"step": 2, "w": torch.zeros(100_000), "bad": _Unpicklable()})
+        checkpoint.save({"step": 2, "w": torch.zeros(100_000), "bad": _Unpicklable()}, path)
     assert os.listdir(tmp_path) == ["ckpt.pt"]
     old = torch.load(path, weights_only=False)
     assert old["step"] == 1 and torch.equal(old["w"], torch.arange(10))

@@ -9,7 +9,8 @@ import torch
 import fastoptim
 from conftest import FLAT, assert_params_close, assert_state_close, clone_params, shapes_for
 from fastoptim import storage
-from fastoptim.engine import plan
+from fastoptim.engine import buckets
+from fastoptim.engine.state_map import StateMap
 from fastoptim.levels import LEVELS, record_paths
 from fastoptim.registry import OPTIMIZERS
 from fastoptim.reference import reference_class, reference_kwargs
@@ -90,8 +91,8 @@ def test_state_reset_or_replaced_between_steps_is_what_steps(name, action, level
 def test_plan_is_reused_while_nothing_changes(monkeypatch):
     """The fast path: an unchanged step builds nothing; any change to the state rebuilds."""
     builds = []
-    real_build = plan.build
-    monkeypatch.setattr(plan, "build", lambda *a, **k: builds.append(1) or real_build(*a, **k))
+    real_build = buckets.build
+    monkeypatch.setattr(buckets, "build", lambda *a, **k: builds.append(1) or real_build(*a, **k))
     spec, ours, ours_p, ref, ref_p, g = _pair("adamw", "foreach")
     for _ in range(4):
         _grads(g, ours_p, ref_p)
@@ -137,7 +138,7 @@ def test_state_pickles_as_torchs_plain_types():
     loaded = torch.load(buffer, weights_only=True)  # plain dicts and tensors only
     assert type(loaded["state"][0]) is dict
     copied = __import__("copy").deepcopy(opt)
-    assert isinstance(copied.state, plan.StateMap) and len(copied.state) == 1
+    assert isinstance(copied.state, StateMap) and len(copied.state) == 1
 
 
 @pytest.mark.parametrize("level", LEVELS)

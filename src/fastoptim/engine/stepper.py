@@ -25,8 +25,9 @@ from .. import clip, storage
 from ..native import bulk
 from ..paths import sharded
 from ..storage.state import is_dtensor
-from . import amp, dispatch, plan
+from . import amp, buckets, dispatch, plan
 from .flat import FlatBucket
+from .state_map import StateMap
 
 
 class StorageSettings(NamedTuple):
@@ -63,7 +64,7 @@ class Work:
 
 
 class Stepper:
-    def __init__(self, owner, rule, settings: Settings, state: plan.StateMap,
+    def __init__(self, owner, rule, settings: Settings, state: StateMap,
                  flat_buckets: list[list[FlatBucket]] | None = None):
         self._owner = weakref.ref(owner)  # (its param groups are read; the optimizer owns this stepper)
         self.name = type(owner).__name__  # (in messages)
@@ -141,7 +142,7 @@ class Stepper:
         if self.settings.flat:
             self._check_flat_group(w.index, w.group)
         self._check_rounding_states(w.params)
-        built = plan.build(rule=rule, group=w.group, params=w.params, state_map=self.state,
+        built = buckets.build(rule=rule, group=w.group, params=w.params, state_map=self.state,
                            state_format=self.state_format, param_index=self.param_index,
                            flat_buckets=self.flat_buckets[w.index] if self.settings.flat else None)
         built.active = shape
@@ -266,7 +267,7 @@ class Stepper:
             return
         first = 0
         for group in self.groups:
-            plan.check_states(self.rule.for_group(group), group, self.state, self.state_format, first)
+            buckets.check_states(self.rule.for_group(group), group, self.state, self.state_format, first)
             self._check_rounding_states(group["params"])
             first += len(group["params"])
         self.states_checked = self.state.version
@@ -329,7 +330,7 @@ class Stepper:
                 state["step"] = 0
             for name, needed in zip(rule.state_names, rule.active(group)):
                 if needed and rule.state_shape(name, p) is not None:
-                    state[name] = plan.new_state(rule, p, name, group, self.state_format(p, name, group))
+                    state[name] = buckets.new_state(rule, p, name, group, self.state_format(p, name, group))
         return state
 
     # --- groups -----------------------------------------------------------------------------------------

@@ -120,3 +120,43 @@ def _remove(path: str) -> None:
         os.remove(path)
     except FileNotFoundError:
         pass
+
+
+# the DCP folders of --fsdp checkpoints: dcp-<step>-<random> (ckpt.pt names the one it goes with), their
+# temporary folders (.tmp) and the single folder of older versions (dcp, dcp.tmp, dcp.old)
+DCP_DIRS = r"dcp(-\d+-[0-9a-f]+)?(\.tmp|\.old)?"
+DCP_TEMPS = r"dcp(-\d+-[0-9a-f]+)?(\.tmp|\.old)"
+
+
+def save_sharded(model, opt, out_dir: str, step: int, master: bool) -> str:
+    """FSDP2: each rank writes its shards through torch.distributed.checkpoint into a temporary folder; once
+    every rank has finished, rank 0 fsyncs it and renames it to a new name, which it returns. The folder
+    counts once ckpt.pt names it (written after this), so a crash at any point leaves ckpt.pt and the
+    folder it names as they were; the caller removes the older folders after that commit."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_sd, optim_sd = get_state_dict(model, opt)
+    name = [None]
+    if master:  # before the others start writing: temporary folders of killed saves go
+        remove_dirs(out_dir, DCP_TEMPS)
+        name = [f"dcp-{step:08d}-{os.urandom(4).hex()}"]  # new even where an older run saved this step
+    dist.broadcast_object_list(name, src=0)
+    tmp = os.path.join(out_dir, name[0] + ".tmp")
+    dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=tmp)
+    dist.barrier()
+    if master:
+        commit_dir(tmp, os.path.join(out_dir, name[0]))
+    return name[0]
+
+
+def load_sharded(model, opt, path: str) -> None:
+    """FSDP2: the shards of the DCP folder ``path`` into the model and the optimizer."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model_sd, optim_sd = get_state_dict(model, opt)
+    state = {"model": model_sd, "optimizer": optim_sd}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optimizer"])

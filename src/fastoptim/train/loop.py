@@ -191,18 +191,6 @@ def get_batch(tokens: torch.Tensor, cfg: TrainConfig, generator: torch.Generator
     return x.to(device), y.to(device)
 
 
-def save_checkpoint(path: str, state: dict) -> None:
-    """Written to a temporary file, fsynced and renamed over the old one, the folder fsynced: a crash or a
-    power loss never leaves half a checkpoint; temporary files of killed saves are removed."""
-    checkpoint.save(state, path)
-
-
-# the DCP folders of --fsdp checkpoints: dcp-<step>-<random> (ckpt.pt names the one it goes with), their
-# temporary folders (.tmp) and the single folder of older versions (dcp, dcp.tmp, dcp.old)
-DCP_DIRS = r"dcp(-\d+-[0-9a-f]+)?(\.tmp|\.old)?"
-DCP_TEMPS = r"dcp(-\d+-[0-9a-f]+)?(\.tmp|\.old)"
-
-
 def main(cfg: TrainConfig) -> dict:
     check_config(cfg)
     if not (cfg.ddp or cfg.fsdp):
@@ -280,9 +268,9 @@ def _train(cfg: TrainConfig, rank: int, world: int) -> dict:
         if master:  # what saves killed mid-way left behind
             checkpoint.remove_stale_temps(ckpt_path)
             if cfg.fsdp:
-                checkpoint.remove_dirs(cfg.out_dir, DCP_DIRS, keep=ckpt.get("dcp", "dcp"))
+                checkpoint.remove_dirs(cfg.out_dir, checkpoint.DCP_DIRS, keep=ckpt.get("dcp", "dcp"))
         if cfg.fsdp:
-            _load_sharded(model, opt, os.path.join(cfg.out_dir, ckpt.get("dcp", "dcp")))
+            checkpoint.load_sharded(model, opt, os.path.join(cfg.out_dir, ckpt.get("dcp", "dcp")))
         else:
             model.load_state_dict(ckpt["model"])
             opt.load_state_dict(ckpt["optimizer"])
@@ -352,13 +340,13 @@ def _train(cfg: TrainConfig, rank: int, world: int) -> dict:
                          "torch_rng": torch.get_rng_state(), "data_rng": data_rngs, "step": step + 1, "log": log,
                          "config": asdict(cfg)}
                 if cfg.fsdp:
-                    state["dcp"] = _save_sharded(model, opt, cfg.out_dir, step + 1, master)
+                    state["dcp"] = checkpoint.save_sharded(model, opt, cfg.out_dir, step + 1, master)
                 else:
                     state.update(model=model.state_dict(), optimizer=opt.state_dict())
                 if master:
-                    save_checkpoint(ckpt_path, state)  # the commit point: ckpt.pt names its DCP folder
+                    checkpoint.save(state, ckpt_path)  # the commit point: ckpt.pt names its DCP folder
                     if cfg.fsdp:
-                        checkpoint.remove_dirs(cfg.out_dir, DCP_DIRS, keep=state["dcp"])
+                        checkpoint.remove_dirs(cfg.out_dir, checkpoint.DCP_DIRS, keep=state["dcp"])
 
     mean_step = stats["step_time"] / max(stats["steps"], 1)
     tokens_per_s = tokens_per_step / mean_step if mean_step else 0.0
@@ -407,39 +395,6 @@ def _generate(model, cfg: TrainConfig, device) -> list[int]:
                 module.reshard()
         model.set_reshard_after_forward(True)  # as fully_shard set it: the blocks reshard, the root keeps
         model.set_reshard_after_forward(False, recurse=False)
-
-
-def _save_sharded(model, opt, out_dir: str, step: int, master: bool) -> str:
-    """FSDP2: each rank writes its shards through torch.distributed.checkpoint into a temporary folder; once
-    every rank has finished, rank 0 fsyncs it and renames it to a new name, which it returns. The folder
-    counts once ckpt.pt names it (written after this), so a crash at any point leaves ckpt.pt and the
-    folder it names as they were; the caller removes the older folders after that commit."""
-    import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
-    model_sd, optim_sd = get_state_dict(model, opt)
-    name = [None]
-    if master:  # before the others start writing: temporary folders of killed saves go
-        checkpoint.remove_dirs(out_dir, DCP_TEMPS)
-        name = [f"dcp-{step:08d}-{os.urandom(4).hex()}"]  # new even where an older run saved this step
-    dist.broadcast_object_list(name, src=0)
-    tmp = os.path.join(out_dir, name[0] + ".tmp")
-    dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=tmp)
-    dist.barrier()
-    if master:
-        checkpoint.commit_dir(tmp, os.path.join(out_dir, name[0]))
-    return name[0]
-
-
-def _load_sharded(model, opt, path: str) -> None:
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
-    model_sd, optim_sd = get_state_dict(model, opt)
-    state = {"model": model_sd, "optimizer": optim_sd}
-    dcp.load(state, checkpoint_id=path)
-    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
 
 
 def _gather_rng(generator: torch.Generator, ddp: bool) -> list:
