@@ -40,7 +40,7 @@ def to_torch(sd: dict[str, Any], params: list[Tensor]) -> dict[str, Any]:
         for name, saved in parts.items():
             plain[name] = storage.import_quantized(name, saved, p)
         sd["state"][index] = {k: storage.torch_value(v, p) for k, v in plain.items()
-                              if k not in storage.ROUNDING_STATES}  # (torch.optim has no use for them)
+                              if k not in storage.rounding.ROUNDING_STATES}  # (torch.optim has no use for them)
     return sd
 
 
@@ -86,17 +86,17 @@ def check_loaded(state_dict: dict[str, Any], *, groups: list[dict], optimizer_ru
             if name == "step" or name in optimizer_rule.host_states or not isinstance(value, Tensor):
                 continue
             rule = rules[id(p)]
-            if name not in rule.state_names and name not in storage.ROUNDING_STATES:
+            if name not in rule.state_names and name not in storage.rounding.ROUNDING_STATES:
                 lost = name.endswith((storage.CODES, storage.ABSMAX))  # a quantized state's part, its format lost
                 raise ValueError(f"loaded state dict has state {name!r} for param {index}, which its group's "
                                  f"algorithm ({rule.name}) does not keep: it keeps {list(rule.state_names)}"
                                  + (f" (no {name.rpartition('.')[0]}{storage.FORMAT} entry says its format; "
                                     f"{storage.TO_TORCH})" if lost else ""))
-            if name in storage.ROUNDING_STATES:
-                why = storage.check_rounding_state(name, value.to(p.device), p)
+            if name in storage.rounding.ROUNDING_STATES:
+                why = storage.rounding.check_rounding_state(name, value.to(p.device), p)
                 if why:
                     raise ValueError(f"loaded state dict's {name!r} for param {index} {why}")
-            if name == storage.RNG:  # the rounding's random stream: [seed, draws]
+            if name == storage.rounding.RNG:  # the rounding's random stream: [seed, draws]
                 kept.append(Kept(index, p, name, value.clone()))  # past torch's loader, which casts to bf16
                 continue
             shape = rule.state_shape(name, p)

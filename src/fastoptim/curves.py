@@ -135,7 +135,7 @@ def run(optimizers: list[str], impls: list[str], flat_impls: list[str], steps: i
     for bits in state_bits:
         storage.check_state_bits(bits)
     for rounding in roundings:
-        storage.check_rounding(rounding)
+        storage.rounding.check_rounding(rounding)
     if lr is not None and not lr > 0:
         raise ValueError(f"Invalid learning rate: {lr!r} (must be > 0)")
     curves = []

@@ -61,7 +61,7 @@ class FastOptimizer(torch.optim.Optimizer):
         settings = Settings(impl=dispatch.check_impl(impl), flat=bool(flat),
                             state_bits=storage.state_bits_of(state_bits, state_format),  # a group may set its own
                             min_quant_size=storage.check_min_quant_size(min_quant_size),
-                            rounding=storage.check_rounding(rounding))
+                            rounding=storage.rounding.check_rounding(rounding))
         if settings.flat and settings.rounding != "nearest":
             raise ValueError(f"flat=True rounds to nearest; rounding={rounding!r} needs flat=False")
         if max_grad_norm is not None and (isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float))

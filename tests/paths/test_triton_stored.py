@@ -82,7 +82,7 @@ def _assert_same_stored(ours, base, ours_p, base_p, where, fp32_params=True):
         if fp32_params:
             torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5, msg=lambda m: f"{where}, param {i}: {m}")
         for name, value in base.state[b].items():
-            if name == storage.KAHAN:
+            if name == storage.rounding.KAHAN:
                 continue
             got, at = ours.state[a][name], f"{where}, param {i}, {name}"
             if isinstance(value, storage.QuantizedState):
@@ -514,7 +514,7 @@ def _branches(ptx: str) -> tuple[str, str]:
 def _staged():
     """The fused level with no stored-state path declared: every non-plain bucket runs staged (the plain
     Triton kernel on fp32 temporaries, the same IEEE arithmetic as the stored kernel, then torch's codec and
-    ``storage.stochastic_round``)."""
+    ``storage.rounding.stochastic_round``)."""
     real = levels.stored_path
     levels.stored_path = lambda *args, **kwargs: None
     try:
@@ -528,7 +528,7 @@ def _staged():
 @pytest.mark.parametrize("bits", (32, *STORED))
 @pytest.mark.parametrize("name", ELEMENTWISE)
 def test_bf16_params_rounded_in_the_kernel_as_the_staged_path_rounds_them(interpret, name, bits, rounding):
-    """bf16 params with rounding="stochastic": the kernel adds the bits ``storage.stochastic_round`` draws
+    """bf16 params with rounding="stochastic": the kernel adds the bits ``storage.rounding.stochastic_round`` draws
     (mix32 of each element's index plus the step's key) on the fp32 pattern; with "kahan" it steps the param
     plus its compensation and stores the param rounded to nearest and what that lost. Against the staged
     path of the same level (the same IEEE fp32 math, then torch's rounding and codec): every param, state,
@@ -563,15 +563,15 @@ def test_bf16_params_rounded_in_the_kernel_as_the_staged_path_rounds_them(interp
             where = f"step {step}, param {i}"
             assert a.dtype == torch.bfloat16 and torch.equal(a, b), where
             if rounding == "stochastic":
-                assert ours.state[a][storage.RNG].tolist() == [storage.rounding_seed(i), step]
-                assert torch.equal(ours.state[a][storage.RNG], loop.state[c][storage.RNG])
+                assert ours.state[a][storage.rounding.RNG].tolist() == [storage.rounding.rounding_seed(i), step]
+                assert torch.equal(ours.state[a][storage.rounding.RNG], loop.state[c][storage.rounding.RNG])
             else:
                 if not torch.equal(c, start[i]):  # (ADOPT's first step moves no param)
-                    assert ours.state[a][storage.KAHAN].abs().max() > 0  # the compensation is kept
-                compensated = a.float() + ours.state[a][storage.KAHAN].float()
+                    assert ours.state[a][storage.rounding.KAHAN].abs().max() > 0  # the compensation is kept
+                compensated = a.float() + ours.state[a][storage.rounding.KAHAN].float()
                 # (the compensation is bf16: an fp32 ulp between the two new params, from torch's CPU sqrt, can
                 # move it by a bf16 ulp of itself, up to 2**-16 of the param)
-                torch.testing.assert_close(compensated, c.float() + loop.state[c][storage.KAHAN].float(),
+                torch.testing.assert_close(compensated, c.float() + loop.state[c][storage.rounding.KAHAN].float(),
                                            atol=FLIPPED_PARAM_ATOL if flipped else 1e-6, rtol=2 ** -16)
             for state_name, value in staged.state[b].items():
                 if isinstance(value, (torch.Tensor, storage.QuantizedState)):
@@ -607,7 +607,7 @@ def test_bf16_rounding_skips_a_grad_scaler_step_storing_nothing(interpret, round
         if step == 2:
             assert all(torch.equal(a, b) for a, b in zip(before, _stored_bytes(opt, ours_p)))
     if rounding == "stochastic":
-        assert opt.state[ours_p[0]][storage.RNG].tolist()[1] == 2  # three steps, one skipped
+        assert opt.state[ours_p[0]][storage.rounding.RNG].tolist()[1] == 2  # three steps, one skipped
 
 
 @pytest.mark.sample("capability")

@@ -25,7 +25,7 @@ BF16_ULP_AT_1 = 2 ** -7
 def test_stochastic_rounding_is_unbiased_and_picks_a_neighbour(value, device):
     n = 1 << 20
     x = torch.full((n,), value, dtype=torch.float32, device=device)
-    r = storage.stochastic_round(x, key=987654321).float()
+    r = storage.rounding.stochastic_round(x, key=987654321).float()
     down = x.to(torch.bfloat16).float()[0].item()  # one neighbour (to nearest), the other one ulp away
     below = torch.tensor(value).to(torch.bfloat16)
     neighbours = {float(below.float()), float(torch.nextafter(below, torch.tensor(float("inf"), dtype=torch.bfloat16)).float()),
@@ -39,7 +39,7 @@ def test_stochastic_rounding_is_unbiased_and_picks_a_neighbour(value, device):
 @pytest.mark.parametrize("device", DEVICES)
 def test_stochastic_rounding_keeps_exact_values_nan_and_inf(device):
     x = torch.tensor([1.0, -2.0, 0.0, -0.0, float("inf"), -float("inf"), float("nan"), 2 ** -133], device=device)
-    r = storage.stochastic_round(x, key=5)
+    r = storage.rounding.stochastic_round(x, key=5)
     assert r.float()[:6].tolist() == [1.0, -2.0, 0.0, -0.0, float("inf"), -float("inf")]
     assert torch.isnan(r[6]) and r.dtype == torch.bfloat16
 
@@ -47,9 +47,9 @@ def test_stochastic_rounding_keeps_exact_values_nan_and_inf(device):
 @pytest.mark.parametrize("device", DEVICES)
 def test_the_random_stream_depends_on_the_key_and_the_element_only(device):
     x = torch.full((4096,), 1.0 + 2 ** -9, device=device)
-    a, b, c = (storage.stochastic_round(x, key=k) for k in (1, 1, 2))
+    a, b, c = (storage.rounding.stochastic_round(x, key=k) for k in (1, 1, 2))
     assert torch.equal(a, b) and not torch.equal(a, c)
-    assert torch.equal(storage.stochastic_round(x.view(64, 64), key=1).view(-1), a)
+    assert torch.equal(storage.rounding.stochastic_round(x.view(64, 64), key=1).view(-1), a)
 
 
 def _descend(mode: str, impl: str, steps: int = 200, name: str = "SGD", device="cpu", **kw):
@@ -75,7 +75,7 @@ def test_stochastic_and_kahan_follow_fp32_where_nearest_stalls_at_every_level(im
         got, opt = _descend(mode, impl, device=device)
         gap = (got.mean() - fp32.mean()).abs().item()
         assert gap < share * (1 - fp32.mean().item()), (mode, got.mean().item(), fp32.mean().item())
-        assert set(opt.state[opt.param_groups[0]["params"][0]]) == {storage.KAHAN if mode == "kahan" else storage.RNG}
+        assert set(opt.state[opt.param_groups[0]["params"][0]]) == {storage.rounding.KAHAN if mode == "kahan" else storage.rounding.RNG}
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -116,7 +116,7 @@ def test_save_load_continue_is_bit_identical(mode, bits, device):
     opt = fastoptim.AdamW(first, **kw)
     run(first, opt, grads[:3])
     saved = copy.deepcopy(opt.state_dict())
-    assert all((storage.RNG if mode == "stochastic" else storage.KAHAN) in entry for entry in saved["state"].values())
+    assert all((storage.rounding.RNG if mode == "stochastic" else storage.rounding.KAHAN) in entry for entry in saved["state"].values())
     resumed = copy.deepcopy(first)
     opt2 = fastoptim.AdamW(resumed, **kw)
     opt2.load_state_dict(saved)
@@ -124,7 +124,7 @@ def test_save_load_continue_is_bit_identical(mode, bits, device):
     for a, b in zip(resumed, straight):
         assert torch.equal(a, b)
     torch_sd = opt2.torch_state_dict()  # torch.optim has no use for the rounding's own state
-    assert not any(set(entry) & set(storage.ROUNDING_STATES) for entry in torch_sd["state"].values())
+    assert not any(set(entry) & set(storage.rounding.ROUNDING_STATES) for entry in torch_sd["state"].values())
     twin = [torch.nn.Parameter(p.detach().clone()) for p in resumed]
     torch.optim.AdamW(twin, lr=1e-3).load_state_dict(torch_sd)
 
@@ -138,7 +138,7 @@ def test_a_param_group_sets_its_own_rounding_and_fp32_params_are_untouched_by_it
     for p in (bf, kahan, full):
         p.grad = torch.ones_like(p)
     opt.step()
-    assert set(opt.state[bf]) == {storage.RNG} and set(opt.state[kahan]) == {storage.KAHAN}
+    assert set(opt.state[bf]) == {storage.rounding.RNG} and set(opt.state[kahan]) == {storage.rounding.KAHAN}
     assert full not in opt.state or not opt.state[full]  # fp32 params step as ever
     assert torch.equal(full.detach(), torch.full((8, 8), 1 - 1e-4))
 
@@ -157,7 +157,7 @@ def test_bad_rounding_is_named_and_changes_nothing():
     assert torch.equal(p.detach(), before) and not opt.state
     opt.param_groups[0]["rounding"] = "kahan"  # the message's advice works
     opt.step()
-    assert set(opt.state[p]) == {"exp_avg", "exp_avg_sq", "step", storage.KAHAN}
+    assert set(opt.state[p]) == {"exp_avg", "exp_avg_sq", "step", storage.rounding.KAHAN}
 
 
 def test_a_step_grad_scaler_skips_draws_nothing_and_rounds_nothing():
@@ -165,11 +165,11 @@ def test_a_step_grad_scaler_skips_draws_nothing_and_rounds_nothing():
     opt = fastoptim.SGD([p], lr=1e-4, rounding="stochastic")
     p.grad = torch.ones_like(p)
     opt.step()
-    draws = opt.state[p][storage.RNG].clone()
+    draws = opt.state[p][storage.rounding.RNG].clone()
     before = p.detach().clone()
     opt.grad_scale, opt.found_inf = torch.tensor(1.0), torch.tensor(1.0)
     opt.step()
-    assert torch.equal(p.detach(), before) and torch.equal(opt.state[p][storage.RNG], draws)
+    assert torch.equal(p.detach(), before) and torch.equal(opt.state[p][storage.rounding.RNG], draws)
 
 
 def test_low_bit_state_with_stochastic_rounding_runs_the_staged_path():
@@ -218,13 +218,13 @@ def test_bf16_params_with_quantized_state_step_in_fp32_and_round_once(impl, bits
 
 
 @pytest.mark.parametrize("name,bad", [
-    (storage.KAHAN, torch.zeros(3, dtype=torch.bfloat16)),
-    (storage.KAHAN, torch.zeros(16, 16, dtype=torch.int32)),
-    (storage.RNG, torch.zeros(3, dtype=torch.int64)),
-    (storage.RNG, torch.zeros(2, dtype=torch.float32)),
+    (storage.rounding.KAHAN, torch.zeros(3, dtype=torch.bfloat16)),
+    (storage.rounding.KAHAN, torch.zeros(16, 16, dtype=torch.int32)),
+    (storage.rounding.RNG, torch.zeros(3, dtype=torch.int64)),
+    (storage.rounding.RNG, torch.zeros(2, dtype=torch.float32)),
 ])
 def test_a_bad_rounding_state_put_in_by_hand_is_named_before_anything_steps(name, bad):
-    mode = "kahan" if name == storage.KAHAN else "stochastic"
+    mode = "kahan" if name == storage.rounding.KAHAN else "stochastic"
     p = torch.nn.Parameter(torch.randn(16, 16).to(torch.bfloat16))
     opt = fastoptim.AdamW([p], lr=1e-2, rounding=mode)
     p.grad = torch.randn_like(p)

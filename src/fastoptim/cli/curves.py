@@ -11,7 +11,7 @@ import sys
 from . import state_format
 from .. import curves, registry
 from ..levels import LEVELS
-from ..storage import ROUNDINGS
+from ..storage.rounding import ROUNDINGS
 
 
 def add_parser(sub) -> None:

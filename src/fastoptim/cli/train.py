@@ -13,7 +13,8 @@ import typing
 from . import state_format
 from ..levels import IMPLS
 from ..registry import OPTIMIZERS
-from ..storage import ROUNDINGS, codecs
+from ..storage import codecs
+from ..storage.rounding import ROUNDINGS
 from ..train.loop import DTYPES, SCHEDULES, TrainConfig, check_config
 
 CHOICES = {"optimizer": tuple(OPTIMIZERS), "dtype": tuple(DTYPES), "param_dtype": tuple(DTYPES),

@@ -236,7 +236,7 @@ def run_plan(*, impl: str, rule, step_plan: Plan, group: dict, grads: list[Tenso
                       bucket.owners if rule.stages and bucket.convert else None,
                       pools=bucket.head.pool_buffers() if bucket.head is not None else ())
         dtype = bucket.params[0].dtype
-        rounded = storage.rounds_in_fp32(dtype, rounding)
+        rounded = storage.rounding.rounds_in_fp32(dtype, rounding)
         if bucket.staged is None:  # plain formats are checked to be the param's dtype: never staged
             bucket.staged = rounded or bits != 32 and storage.needs_staging(bucket.params, bucket.states)
         grad_mul = step_amp.grad_mul

@@ -277,7 +277,7 @@ class Stepper:
         bits, min_quant_size, rounding = self.settings.storage_of(group)
         storage.check_state_bits(bits, "state_bits of a param group")
         storage.check_min_quant_size(min_quant_size)
-        storage.check_rounding(rounding)
+        storage.rounding.check_rounding(rounding)
         if self.settings.flat and rounding != "nearest":
             raise ValueError("flat=True rounds to nearest; a param group's rounding must be 'nearest'")
         if rounding == "stochastic" and any(p.dtype == torch.float16 for p in group.get("params", ())):
@@ -294,9 +294,9 @@ class Stepper:
     def _check_rounding_states(self, params: list[Tensor]) -> None:
         """The rounding's own state, as a user may have put it in: checked before anything runs."""
         for p in params:
-            for name in storage.ROUNDING_STATES:
+            for name in storage.rounding.ROUNDING_STATES:
                 value = self.state[p].get(name) if p in self.state else None
-                why = None if value is None else storage.check_rounding_state(name, value, p)
+                why = None if value is None else storage.rounding.check_rounding_state(name, value, p)
                 if why:
                     raise ValueError(f"state {name!r} of param {self.param_index(p)} {why}")
 

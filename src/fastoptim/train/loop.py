@@ -16,7 +16,8 @@ import torch
 
 from .. import data as corpus
 from .. import factory, schedules, timing
-from ..storage import ROUNDINGS, codecs
+from ..storage import codecs
+from ..storage.rounding import ROUNDINGS
 from . import checkpoint
 from .model import GPT, GPTConfig
 

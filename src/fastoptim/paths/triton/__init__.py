@@ -53,7 +53,7 @@ def _seen(bucket: Bucket, by_formats: dict[tuple, list[int]]) -> tuple:
 
 class TritonStored(Path):
     """Takes the params whose 16/8/4-bit state the kernel loads and stores in registers (``signature``). With
-    ``ctx.rounding`` "stochastic" or "kahan" the bucket's bf16 params are rounded as ``storage.round_into``
+    ``ctx.rounding`` "stochastic" or "kahan" the bucket's bf16 params are rounded as ``storage.rounding.round_into``
     rounds them, with their rounding state from ``ctx.entries(i)``: the kernel then takes the whole bucket or
     none of it (the staged path finds each param's rounding state by its index in the bucket). A stochastic
     step reads found_inf on the host: a skipped step must not count a draw."""
@@ -89,7 +89,7 @@ class TritonStored(Path):
     def _rounding_states(bucket: Bucket, ctx: StepContext) -> list:
         from ... import storage
 
-        return [storage.rounding_state(*ctx.entries(i), ctx.rounding) for i in range(len(bucket.params))]
+        return [storage.rounding.rounding_state(*ctx.entries(i), ctx.rounding) for i in range(len(bucket.params))]
 
     def takes(self, bucket: Bucket, ctx: StepContext) -> list[int] | None:
         by_formats, rest = self._by_formats(bucket, ctx.rounding)
@@ -119,13 +119,13 @@ class TritonStored(Path):
             table = tables.get((formats, rounding))
             if table is None:
                 table = tables[formats, rounding] = triton_stored.StoredTable()
-            keys = storage.rounding_keys([own[i] for i in indices]) if rounding == "stochastic" else None
+            keys = storage.rounding.rounding_keys([own[i] for i in indices]) if rounding == "stochastic" else None
             comps = [own[i] for i in indices] if rounding == "kahan" else None
             triton_stored.run(ctx.rule.update, one.params, one.grads, one.states, formats, ctx.scalars, ctx.flags,
                               table, grad_mul=ctx.grad_mul, found_inf=found_inf, rounding_keys=keys, comps=comps)
         if rounding == "stochastic":
             for stream in own:
-                stream[1] += 1  # one draw per step, as ``storage.round_into`` counts
+                stream[1] += 1  # one draw per step, as ``storage.rounding.round_into`` counts
 
 
 TRITON = Triton()

@@ -21,7 +21,7 @@ keeps them, in one launch per bucket (and state formats) and one pass over memor
 * ``grad_mul`` and ``found_inf`` are read inside the kernel, as in ``kernels``: a step GradScaler
   skips stores nothing;
 * bf16 params with ``rounding="stochastic"``: loaded as bits, stepped in fp32, rounded back with the bits
-  ``storage.stochastic_round`` draws (16 bits of mix32(element index + the step's key) added to the fp32
+  ``storage.rounding.stochastic_round`` draws (16 bits of mix32(element index + the step's key) added to the fp32
   pattern, the low half dropped); with ``rounding="kahan"``: stepped as param plus compensation, stored
   rounded to nearest with what that lost as the new compensation. Integer operations on the bits, so the
   params are the staged path's bit for bit.
@@ -102,7 +102,7 @@ def {name}(table, work, grad_mul, found_inf, scalars, keys, {map_args}{scalar_ar
     if HAS_GRAD_MUL:
         g_mul = tl.load(grad_mul)
     key = 0
-    if STOCHASTIC:  # this step's key of the param's random stream (``storage.rounding_key``)
+    if STOCHASTIC:  # this step's key of the param's random stream (``storage.rounding.rounding_key``)
         key = tl.load(keys + tensor)
     tile = tl.arange(0, TB)
     k = tl.arange(0, QB)
@@ -159,14 +159,14 @@ def _bf16_nearest(x: str, bits: str) -> str:
 def _store_param(rounding: str) -> list[str]:
     if rounding == "nearest":
         return ["tl.store(p_ptr + offs, out[0], mask=mask)"]
-    if rounding == "kahan":  # ``storage.round_into``: the param to nearest, what that lost into the compensation
+    if rounding == "kahan":  # ``storage.rounding.round_into``: the param to nearest, what that lost into the compensation
         return ["p_bits = out[0].to(tl.uint32, bitcast=True)",
                 f"p_new = {_bf16_nearest('out[0]', 'p_bits')}",
                 "tl.store(p_ptr + offs, p_new.to(tl.int16), mask=mask)",
                 "lost = out[0] - (p_new << 16).to(tl.float32, bitcast=True)",
                 "lost_bits = lost.to(tl.uint32, bitcast=True)",
                 f"tl.store(comp_ptr + offs, ({_bf16_nearest('lost', 'lost_bits')}).to(tl.int16), mask=mask)"]
-    # ``storage.stochastic_round``: 16 bits of mix32(index + key) added to the fp32 pattern's low half, which
+    # ``storage.rounding.stochastic_round``: 16 bits of mix32(index + key) added to the fp32 pattern's low half, which
     # is then dropped (integer operations, so the GPU and the interpreter agree); NaN and inf to nearest
     return ["p_bits = out[0].to(tl.uint32, bitcast=True)",
             "h = (offs + key).to(tl.uint32)",
@@ -317,7 +317,7 @@ def run(update: Callable, params: list[Tensor], grads: list[Tensor], states: lis
         found_inf: Tensor | None = None, rounding_keys: Tensor | None = None,
         comps: list[Tensor] | None = None) -> None:
     """One launch over params that all have state ``formats`` (see ``signature``). bf16 params: rounded
-    stochastically with ``rounding_keys`` (one per param, ``storage.rounding_keys``), or with Kahan's
+    stochastically with ``rounding_keys`` (one per param, ``storage.rounding.rounding_keys``), or with Kahan's
     compensations ``comps`` (bf16, one per param)."""
     block = codec_block(formats)
     stochastic = rounding_keys is not None
