@@ -196,8 +196,8 @@ class FastOptimizer(torch.optim.Optimizer):
         """``with opt.measure_grad_norm(): loss.backward(retain_graph=True)``, then ``loss.backward()``: the norm that
         ``gradient_release`` clips by with ``max_grad_norm``, measured exactly (``engine.release_norm``)."""
         if self._release is None or self.max_grad_norm is None:
-            raise RuntimeError(f"{type(self).__name__}.measure_grad_norm() measures the norm that gradient_release=True "
-                               f"clips by; this optimizer has gradient_release={self._release is not None}, "
+            raise RuntimeError(f"{type(self).__name__}.measure_grad_norm() measures the norm that "
+                               f"gradient_release=True clips by; this optimizer has gradient_release={self._release is not None}, "
                                f"max_grad_norm={self.max_grad_norm}: clip in opt.step()")
         self._release.rehook()  # (hooks for params unfrozen since; the window's norms start anew)
         return self._release.measuring().measure()

@@ -25,9 +25,9 @@ Under torch.distributed with world size > 1 a param's hook sees its local grad: 
 backward, unless the optimizer is tied to the DDP model (``opt.release_with(ddp_model)``, ``release_ddp``), whose
 comm hook then steps each DDP bucket after its all-reduce while these hooks step nothing.
 
-The hooks hold the optimizer's stepper weakly: an optimizer that is gone steps nothing, and its hooks are removed. A param
-is released by the newest optimizer that hooked it (``OWNERS``): an optimizer made anew over the same params (a
-reload, a trainer's setup run twice) takes over, and one not yet collected never steps them a second time.
+The hooks hold the optimizer's stepper weakly: an optimizer that is gone steps nothing, and its hooks are removed.
+A param is released by the newest optimizer that hooked it (``OWNERS``): an optimizer made anew over the same params
+(a reload, a trainer's setup run twice) takes over, and one not yet collected never steps them a second time.
 """
 
 from __future__ import annotations

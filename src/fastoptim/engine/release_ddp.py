@@ -71,8 +71,8 @@ def tie(rel, ddp_model, *, name: str, settings) -> "DDPTie":
     if rel.ddp is not None:
         raise RuntimeError(f"{name} is already tied to a DDP model (one comm hook per model, one model per optimizer)")
     if settings.max_grad_norm is not None:
-        raise NotImplementedError(f"{name}: max_grad_norm={settings.max_grad_norm} with gradient_release=True under DDP "
-                                  "is not supported: the norm's measuring backward would itself run DDP's "
+        raise NotImplementedError(f"{name}: max_grad_norm={settings.max_grad_norm} with gradient_release=True under "
+                                  "DDP is not supported: the norm's measuring backward would itself run DDP's "
                                   "all-reduce. Clip in opt.step() (gradient_release=False), or max_grad_norm=None")
     if ddp_model.find_unused_parameters:
         raise NotImplementedError(f"{name}: gradient release under DDP with find_unused_parameters=True is not "

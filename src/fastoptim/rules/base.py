@@ -27,8 +27,9 @@ import, a rule whose names differ. The levels get positional tuples in that orde
 ``flags()``, which the base class derives: no rule writes an order by hand.
 
 What the rest of the package derives from a rule (the public class and its signature and docstring, exports,
-``create()``, CLI choices, the curves' settings, the test matrix) is declared here too: ``class_name``,
-``signature``, ``oracle``, ``option_sets``, ``takes``, ``curves_options`` and the test hints below.
+``create()``, CLI choices, the curves' settings, the test matrix) is declared beside it in ``declared.Declared``,
+which ``Rule`` extends: ``class_name``, ``signature``, ``oracle``, ``option_sets``, ``takes``, ``curves_options``
+and the tests' hints.
 
 ``update`` receives every state in ``state_names`` order, ``None`` for the inactive ones, and returns them
 in the same order (inactive ones passed through). It uses arithmetic operators and ``prims`` only, on
@@ -46,6 +47,8 @@ from typing import Any, Callable, ClassVar
 
 import torch
 from torch import Tensor
+
+from .declared import Declared
 
 
 @dataclass(frozen=True)
@@ -83,7 +86,7 @@ class PerTensor:
             raise ValueError(f"an in-place stage writes into what it reads: {self.writes} not all in {self.reads}")
 
 
-class Rule:
+class Rule(Declared):
     name: ClassVar[str]
     defaults: ClassVar[dict[str, Any]]
     state_names: ClassVar[tuple[str, ...]]
@@ -110,31 +113,6 @@ class Rule:
     # read from ``update``'s (or the stages') signature when the class is defined: the order the levels pass
     scalar_names: ClassVar[tuple[str, ...]] = ()
     flag_names: ClassVar[tuple[str, ...]] = ()
-
-    # --- declared once, derived everywhere (fastoptim.registry reads these) ---
-    # the public class, ``fastoptim.<class_name>``
-    class_name: ClassVar[str]
-    # torch.optim's constructor parameters after ``params``, in its order, "*" where the keyword-only ones start;
-    # None: ``defaults`` in order, ``maximize`` keyword-only. fastoptim's own options follow (optimizers.py).
-    signature: ClassVar[tuple[str, ...] | None] = None
-    # the oracle the tests and ``fastoptim curves`` compare with: "torch.optim.<Class>" (its single-tensor path),
-    # or "<module>.<Class>" of a plain reference loop that takes ``compute_dtype`` (fastoptim.reference's)
-    oracle: ClassVar[str]
-    # the torch.optim class of the same algorithm where it is not the oracle (Muon's)
-    torch_class: ClassVar[str | None] = None
-    # hyper-parameter sets that together turn on every flag: the tests run each at every level against the oracle
-    option_sets: ClassVar[tuple[dict, ...]] = ()
-    # the params it takes: "any", or "matrices" (2-D only: Muon); the tests give it such params
-    takes: ClassVar[str] = "any"
-    # ``fastoptim curves``' settings for this optimizer (its learning rate on the byte-level task, ...)
-    curves_options: ClassVar[dict] = {"lr": 1e-3}
-    # what ``fastoptim curves`` prints under the gap between the fp32 and fp64 reference loops, where it needs saying
-    curves_note: ClassVar[str | None] = None
-    # test hints: hyper-parameters that may be 0-d tensors; options for the 16-bit parity test (None: the
-    # second option set), and what fp16 adds to them
-    tensor_hypers: ClassVar[tuple[str, ...]] = ("lr",)
-    low_precision_options: ClassVar[dict | None] = None
-    fp16_options: ClassVar[dict] = {}
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)

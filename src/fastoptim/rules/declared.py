@@ -1,0 +1,33 @@
+"""What a rule declares for the rest of the library besides its math: the public class (``fastoptim.registry``
+makes it), the oracle and option sets the tests run, ``fastoptim curves``' settings and the tests' hints. The math
+itself, and what the levels read, is ``base.Rule``, which takes these from here."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+
+class Declared:
+    # the public class, ``fastoptim.<class_name>``
+    class_name: ClassVar[str]
+    # torch.optim's constructor parameters after ``params``, in its order, "*" where the keyword-only ones start;
+    # None: ``defaults`` in order, ``maximize`` keyword-only. fastoptim's own options follow (optimizers.py).
+    signature: ClassVar[tuple[str, ...] | None] = None
+    # the oracle the tests and ``fastoptim curves`` compare with: "torch.optim.<Class>" (its single-tensor path),
+    # or "<module>.<Class>" of a plain reference loop that takes ``compute_dtype`` (fastoptim.reference's)
+    oracle: ClassVar[str]
+    # the torch.optim class of the same algorithm where it is not the oracle (Muon's)
+    torch_class: ClassVar[str | None] = None
+    # hyper-parameter sets that together turn on every flag: the tests run each at every level against the oracle
+    option_sets: ClassVar[tuple[dict, ...]] = ()
+    # the params it takes: "any", or "matrices" (2-D only: Muon); the tests give it such params
+    takes: ClassVar[str] = "any"
+    # ``fastoptim curves``' settings for this optimizer (its learning rate on the byte-level task, ...)
+    curves_options: ClassVar[dict] = {"lr": 1e-3}
+    # what ``fastoptim curves`` prints under the gap between the fp32 and fp64 reference loops, where it needs saying
+    curves_note: ClassVar[str | None] = None
+    # test hints: hyper-parameters that may be 0-d tensors; options for the 16-bit parity test (None: the
+    # second option set), and what fp16 adds to them
+    tensor_hypers: ClassVar[tuple[str, ...]] = ("lr",)
+    low_precision_options: ClassVar[dict | None] = None
+    fp16_options: ClassVar[dict] = {}
