@@ -1,6 +1,7 @@
 """Two fastoptim trees side by side in ONE process: is a change slower than the tree before it?
 
     python tools/ab.py OLD_SRC [--workload gpt] [--rounds 21] [--bits 32,8,4] [--clip 1.0]
+    python tools/ab.py OLD_SRC --tiny 4000x4x4 --threads 1    (host time: 4000 tensors of 4x4 elements)
 
 OLD_SRC is another checkout's ``src`` folder (``git worktree add --detach ../old REV``, then ``../old/src``). Its
 ``fastoptim`` is imported under the name ``fastoptim_old`` (the engine imports itself relatively), this
@@ -44,6 +45,9 @@ def main() -> None:
     ap.add_argument("--impls", default="foreach,fused,compiled")
     ap.add_argument("--flat", default="fused,compiled", help="levels to time again with flat=True ('' for none)")
     ap.add_argument("--clip", type=float, default=None, help="max_grad_norm")
+    ap.add_argument("--tiny", default=None, metavar="NxSHAPE", help="N tensors of SHAPE instead of a workload "
+                    "(the step's host time: 4000x4x4)")
+    ap.add_argument("--threads", type=int, default=None, help="torch's intra-op threads")
     args = ap.parse_args()
 
     sys.path.insert(0, os.path.join(os.path.dirname(HERE), "src"))
@@ -54,7 +58,13 @@ def main() -> None:
     from fastoptim.bench.workloads import shapes_for
 
     old = _import_old(os.path.abspath(args.old_src))
-    shapes = shapes_for(args.workload, args.params)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.tiny:
+        count, *shape = map(int, args.tiny.lower().split("x"))
+        shapes, args.workload = [tuple(shape)] * count, f"{count} tensors of {tuple(shape)}"
+    else:
+        shapes = shapes_for(args.workload, args.params)
 
     def params():
         g = torch.Generator().manual_seed(0)
@@ -71,6 +81,8 @@ def main() -> None:
         kw = dict(impl=impl, flat=flat, lr=1e-3)
         if bits != 32:
             kw["state_bits"] = bits
+            if args.tiny:
+                kw["min_quant_size"] = 0  # (tiny tensors keep plain state otherwise)
         if args.clip:
             kw["max_grad_norm"] = args.clip
         opts = {}

@@ -11,7 +11,7 @@ from torch import Tensor
 from . import storage
 
 
-def export(sd: dict[str, Any], rule) -> dict[str, Any]:
+def export(sd: dict[str, Any], *, rule) -> dict[str, Any]:
     """torch.optim's ``state_dict()`` of this optimizer as it is saved: step counters (and the rule's host states)
     as 0-d float tensors, as torch.optim writes them; quantized states as their parts; the settings the rule keeps
     out of checkpoints (``Rule.unsaved_hypers``: a function, say) left out, so the loading optimizer keeps its own."""
@@ -31,7 +31,7 @@ def export(sd: dict[str, Any], rule) -> dict[str, Any]:
     return sd
 
 
-def to_torch(sd: dict[str, Any], params: list[Tensor]) -> dict[str, Any]:
+def to_torch(sd: dict[str, Any], *, params: list[Tensor]) -> dict[str, Any]:
     """``sd`` (from ``export``) as torch.optim keeps state: 16/8/4-bit states as tensors of their param's shape and
     dtype (quantized ones dequantized), and no rounding state."""
     for index, entry in sd["state"].items():

@@ -68,7 +68,7 @@ class FastOptimizer(torch.optim.Optimizer):
                                           or not max_grad_norm > 0):
             raise ValueError(f"Invalid max_grad_norm: {max_grad_norm!r} (must be a number > 0, or None)")
         settings.max_grad_norm = max_grad_norm
-        self._stepper = Stepper(self, self.rule, settings, as_state_map({}))
+        self._stepper = Stepper(self, rule=self.rule, settings=settings, state=as_state_map({}))
         self._release: release.Release | None = None
         name = type(self).__name__
         bucket_bytes = release.check(name=name, settings=settings, gradient_release=gradient_release,
@@ -197,8 +197,8 @@ class FastOptimizer(torch.optim.Optimizer):
         ``gradient_release`` clips by with ``max_grad_norm``, measured exactly (``engine.release_norm``)."""
         if self._release is None or self.max_grad_norm is None:
             raise RuntimeError(f"{type(self).__name__}.measure_grad_norm() measures the norm that "
-                               f"gradient_release=True clips by; this optimizer has gradient_release={self._release is not None}, "
-                               f"max_grad_norm={self.max_grad_norm}: clip in opt.step()")
+                               f"gradient_release=True clips by; this optimizer has gradient_release="
+                               f"{self._release is not None}, max_grad_norm={self.max_grad_norm}: clip in opt.step()")
         self._release.rehook()  # (hooks for params unfrozen since; the window's norms start anew)
         return self._release.measuring().measure()
 
@@ -206,12 +206,13 @@ class FastOptimizer(torch.optim.Optimizer):
 
     def state_dict(self) -> dict[str, Any]:
         self._stepper.resolve_skips()
-        return checkpoints.export(super().state_dict(), self.rule)
+        return checkpoints.export(super().state_dict(), rule=self.rule)
 
     def torch_state_dict(self) -> dict[str, Any]:
         """The state_dict as torch.optim keeps it, for loading into a torch.optim optimizer: 16/8/4-bit states
         as tensors of their param's shape and dtype (quantized ones dequantized)."""
-        return checkpoints.to_torch(self.state_dict(), [p for group in self.param_groups for p in group["params"]])
+        params = [p for group in self.param_groups for p in group["params"]]
+        return checkpoints.to_torch(self.state_dict(), params=params)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """torch.optim's checkpoints and fastoptim's at any ``state_bits``. How state is kept stays this
@@ -263,7 +264,8 @@ class FastOptimizer(torch.optim.Optimizer):
         if stepper is None:
             settings = Settings(**{k: d.pop(k) for k in ("impl", "flat", "max_grad_norm", "state_bits",
                                                           "min_quant_size", "rounding") if k in d})
-            self._stepper = stepper = Stepper(self, self.rule, settings, loaded, d.pop("_flat_buckets", []))
+            self._stepper = stepper = Stepper(self, rule=self.rule, settings=settings, state=loaded,
+                                              flat_buckets=d.pop("_flat_buckets", []))
             for buckets in stepper.flat_buckets:
                 for bucket in buckets:
                     bucket.rehome()

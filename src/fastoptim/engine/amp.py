@@ -70,7 +70,7 @@ class StepAmp:
         return self.found_inf.clone(), None, self.taken
 
 
-def begin_step(impl: str, found_inf, rules: list) -> StepAmp | None:
+def begin_step(*, impl: str, found_inf, rules: list) -> StepAmp | None:
     """The step's ``StepAmp`` (its ``grad_mul`` for the caller to set), or None where GradScaler saw inf/NaN grads
     and no kernel can skip the step by itself (read on the host here: the step changes nothing)."""
     if found_inf is not None and not isinstance(found_inf, Tensor):  # GradScaler's sum over no grads: 0

@@ -244,9 +244,10 @@ def run_plan(*, impl: str, rule, step_plan: Plan, group: dict, grads: list[Tenso
             # view), else fp32 (16-bit params, fp32 temporaries), as torch's foreach_mul_ casts a 0-d factor;
             # max_grad_norm's factor is fp64 wherever some grad is
             grad_mul = grad_mul.to(torch.float64 if dtype == torch.float64 else torch.float32)
-        ctx = StepContext(impl, rule, group, bucket.step, rule.scalars(group, bucket.step, *bucket.host_before),
-                          rule.bucket_flags(flags, dtype), grad_mul, step_amp.found_inf,
-                          rounding if rounded else "nearest", run_plain=run_plain, dense_grads=dense_grads,
+        ctx = StepContext(impl=impl, rule=rule, group=group, step=bucket.step,
+                          scalars=rule.scalars(group, bucket.step, *bucket.host_before),
+                          flags=rule.bucket_flags(flags, dtype), grad_mul=grad_mul, found_inf=step_amp.found_inf,
+                          rounding=rounding if rounded else "nearest", run_plain=run_plain, dense_grads=dense_grads,
                           written=written)
         if not bucket.staged:
             run_plain(part, ctx)

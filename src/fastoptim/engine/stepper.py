@@ -64,7 +64,7 @@ class Work:
 
 
 class Stepper:
-    def __init__(self, owner, rule, settings: Settings, state: StateMap,
+    def __init__(self, owner, *, rule, settings: Settings, state: StateMap,
                  flat_buckets: list[list[FlatBucket]] | None = None):
         self._owner = weakref.ref(owner)  # (its param groups are read; the optimizer owns this stepper)
         self.name = type(owner).__name__  # (in messages)
@@ -109,7 +109,7 @@ class Stepper:
         """Plan (validating everything first), then run each group's step."""
         plans = [self._plan(w, key) for w, key in zip(work, keys)]
         rules = [self.rule.for_group(w.group) for w in work]
-        step_amp = amp.begin_step(self.settings.impl, found_inf, rules)
+        step_amp = amp.begin_step(impl=self.settings.impl, found_inf=found_inf, rules=rules)
         if step_amp is None:
             return  # GradScaler saw inf/NaN grads: this step changes nothing
         step_amp.grad_mul = self._grad_mul(work, grad_scale) if grad_mul is None else grad_mul
