@@ -8,9 +8,10 @@ import importlib
 import torch
 
 from fastoptim.registry import OptimizerSpec
+from fastoptim.rules.declared import ReferenceLoop
 
 
-class ReferenceLion(torch.optim.Optimizer):
+class ReferenceLion(ReferenceLoop):
     """Lion exactly as published (Chen et al. 2023, Algorithm 2), one tensor at a time:
 
         c = b1 m + (1 - b1) g;   p <- p - lr (sign(c) + wd p);   m <- b2 m + (1 - b2) g
@@ -25,32 +26,24 @@ class ReferenceLion(torch.optim.Optimizer):
 
     def __init__(self, params, lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0, maximize=False,
                  compute_dtype: torch.dtype | None = torch.float64):
-        super().__init__(params, dict(lr=lr, betas=betas, weight_decay=weight_decay, maximize=maximize))
-        self.compute_dtype = compute_dtype
+        super().__init__(params, dict(lr=lr, betas=betas, weight_decay=weight_decay, maximize=maximize), compute_dtype)
 
     @torch.no_grad()
     def step(self, closure=None):  # (torch.optim's signature: trainers pass closure=None; none is taken here)
-        for group in self.param_groups:
+        for group, p, state, dtype, _ in self.stepping("exp_avg", counted=False):  # (torch's Lion keeps no count)
             beta1, beta2 = group["betas"]
             lr, weight_decay = group["lr"], group["weight_decay"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                dtype = self.compute_dtype or p.dtype
-                g = p.grad.to(dtype)
-                if group["maximize"]:
-                    g = -g
-                state = self.state[p]
-                if not state:
-                    state["exp_avg"] = torch.zeros_like(p)
-                m = state["exp_avg"].to(dtype)
-                x = p.to(dtype)
-                update = torch.sign(beta1 * m + (1 - beta1) * g)
-                p.copy_(x - lr * (update + weight_decay * x))
-                state["exp_avg"].copy_(beta2 * m + (1 - beta2) * g)
+            g = p.grad.to(dtype)
+            if group["maximize"]:
+                g = -g
+            m = state["exp_avg"].to(dtype)
+            x = p.to(dtype)
+            update = torch.sign(beta1 * m + (1 - beta1) * g)
+            p.copy_(x - lr * (update + weight_decay * x))
+            state["exp_avg"].copy_(beta2 * m + (1 - beta2) * g)
 
 
-class ReferenceLAMB(torch.optim.Optimizer):
+class ReferenceLAMB(ReferenceLoop):
     """LAMB exactly as published (You et al. 2019, Algorithm 2, with phi the identity, or a clamp of the ratio at
     ``max_trust_ratio``), one tensor at a time in ``compute_dtype`` (float64 by default; None: the param's dtype):
 
@@ -60,36 +53,27 @@ class ReferenceLAMB(torch.optim.Optimizer):
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.0, max_trust_ratio=None,
                  maximize=False, compute_dtype: torch.dtype | None = torch.float64):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                                      max_trust_ratio=max_trust_ratio, maximize=maximize))
-        self.compute_dtype = compute_dtype
+                                      max_trust_ratio=max_trust_ratio, maximize=maximize), compute_dtype)
 
     @torch.no_grad()
     def step(self, closure=None):  # (torch.optim's signature: trainers pass closure=None; none is taken here)
-        for group in self.param_groups:
+        for group, p, state, dtype, before in self.stepping("exp_avg", "exp_avg_sq"):
             beta1, beta2 = group["betas"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                dtype = self.compute_dtype or p.dtype
-                state = self.state[p]
-                if not state:
-                    state.update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
-                state["step"] += 1
-                t = int(state["step"])
-                g = p.grad.to(dtype)
-                if group["maximize"]:
-                    g = -g
-                x = p.to(dtype)
-                m = beta1 * state["exp_avg"].to(dtype) + (1 - beta1) * g
-                v = beta2 * state["exp_avg_sq"].to(dtype) + (1 - beta2) * g * g
-                r = (m / (1 - beta1 ** t)) / ((v / (1 - beta2 ** t)).sqrt() + group["eps"]) + group["weight_decay"] * x
-                x_norm, r_norm = x.norm().item(), r.norm().item()
-                ratio = x_norm / r_norm if x_norm > 0 and r_norm > 0 else 1.0
-                if group["max_trust_ratio"] is not None:
-                    ratio = min(ratio, group["max_trust_ratio"])
-                p.copy_(x - group["lr"] * ratio * r)
-                state["exp_avg"].copy_(m)
-                state["exp_avg_sq"].copy_(v)
+            t = before + 1
+            g = p.grad.to(dtype)
+            if group["maximize"]:
+                g = -g
+            x = p.to(dtype)
+            m = beta1 * state["exp_avg"].to(dtype) + (1 - beta1) * g
+            v = beta2 * state["exp_avg_sq"].to(dtype) + (1 - beta2) * g * g
+            r = (m / (1 - beta1 ** t)) / ((v / (1 - beta2 ** t)).sqrt() + group["eps"]) + group["weight_decay"] * x
+            x_norm, r_norm = x.norm().item(), r.norm().item()
+            ratio = x_norm / r_norm if x_norm > 0 and r_norm > 0 else 1.0
+            if group["max_trust_ratio"] is not None:
+                ratio = min(ratio, group["max_trust_ratio"])
+            p.copy_(x - group["lr"] * ratio * r)
+            state["exp_avg"].copy_(m)
+            state["exp_avg_sq"].copy_(v)
 
 
 class ReferenceMuon(torch.optim.Muon):

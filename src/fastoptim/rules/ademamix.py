@@ -23,6 +23,7 @@ import math
 import torch
 
 from .base import Rule, _number, check_bool, check_nonnegative, check_unit_interval, nonzero, register
+from .declared import ReferenceLoop
 from .prims import sqrt
 
 
@@ -104,47 +105,37 @@ class AdEMAMixRule(Rule):
                     decay_factor=1 - lr * group["weight_decay"])
 
 
-class ReferenceAdEMAMix(torch.optim.Optimizer):
+class ReferenceAdEMAMix(ReferenceLoop):
     """The oracle: AdEMAMix as the paper writes it (Algorithm 1, with bitsandbytes' decoupled decay and warmups),
     one tensor at a time in ``compute_dtype`` (float64 by default; None: each param's own dtype)."""
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999, 0.9999), alpha=5.0, t_alpha=None, t_beta3=None,
                  eps=1e-8, weight_decay=1e-2, maximize=False, compute_dtype: torch.dtype | None = torch.float64):
         super().__init__(params, dict(lr=lr, betas=betas, alpha=alpha, t_alpha=t_alpha, t_beta3=t_beta3, eps=eps,
-                                      weight_decay=weight_decay, maximize=maximize))
-        self.compute_dtype = compute_dtype
+                                      weight_decay=weight_decay, maximize=maximize), compute_dtype)
 
     @torch.no_grad()
     def step(self, closure=None):  # (torch.optim's signature: trainers pass closure=None; none is taken here)
-        for group in self.param_groups:
+        for group, p, state, dtype, before in self.stepping("exp_avg", "exp_avg_slow", "exp_avg_sq"):
             beta1, beta2, beta3 = group["betas"]
             lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                dtype = self.compute_dtype or p.dtype
-                state = self.state[p]
-                if not state:
-                    state.update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(p),
-                                 exp_avg_slow=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
-                state["step"] += 1
-                t = int(state["step"])
-                alpha = group["alpha"] if not group["t_alpha"] else min(t * group["alpha"] / group["t_alpha"],
-                                                                         group["alpha"])
-                beta3_t = beta3
-                if group["t_beta3"]:
-                    s = t / group["t_beta3"]
-                    half_life_mix = (1 - s) * math.log(beta3) + s * math.log(beta1)
-                    beta3_t = min(math.exp(math.log(beta1) * math.log(beta3) / half_life_mix), beta3)
-                g = p.grad.to(dtype)
-                if group["maximize"]:
-                    g = -g
-                x = p.to(dtype) * (1 - lr * wd)
-                m1 = beta1 * state["exp_avg"].to(dtype) + (1 - beta1) * g
-                m2 = beta3_t * state["exp_avg_slow"].to(dtype) + (1 - beta3_t) * g
-                nu = beta2 * state["exp_avg_sq"].to(dtype) + (1 - beta2) * g * g
-                m1_hat = m1 / (1 - beta1 ** t)
-                nu_hat = nu / (1 - beta2 ** t)
-                p.copy_(x - lr * (m1_hat + alpha * m2) / (nu_hat.sqrt() + eps))
-                for name, value in (("exp_avg", m1), ("exp_avg_slow", m2), ("exp_avg_sq", nu)):
-                    state[name].copy_(value)
+            t = before + 1
+            alpha = group["alpha"] if not group["t_alpha"] else min(t * group["alpha"] / group["t_alpha"],
+                                                                     group["alpha"])
+            beta3_t = beta3
+            if group["t_beta3"]:
+                s = t / group["t_beta3"]
+                half_life_mix = (1 - s) * math.log(beta3) + s * math.log(beta1)
+                beta3_t = min(math.exp(math.log(beta1) * math.log(beta3) / half_life_mix), beta3)
+            g = p.grad.to(dtype)
+            if group["maximize"]:
+                g = -g
+            x = p.to(dtype) * (1 - lr * wd)
+            m1 = beta1 * state["exp_avg"].to(dtype) + (1 - beta1) * g
+            m2 = beta3_t * state["exp_avg_slow"].to(dtype) + (1 - beta3_t) * g
+            nu = beta2 * state["exp_avg_sq"].to(dtype) + (1 - beta2) * g * g
+            m1_hat = m1 / (1 - beta1 ** t)
+            nu_hat = nu / (1 - beta2 ** t)
+            p.copy_(x - lr * (m1_hat + alpha * m2) / (nu_hat.sqrt() + eps))
+            for name, value in (("exp_avg", m1), ("exp_avg_slow", m2), ("exp_avg_sq", nu)):
+                state[name].copy_(value)

@@ -26,6 +26,7 @@ import math
 import torch
 
 from .base import Rule, check_betas, check_bool, check_nonnegative, nonzero, register
+from .declared import ReferenceLoop
 from .prims import clamp, maximum, sqrt
 
 
@@ -102,7 +103,7 @@ class ADOPTRule(Rule):
                     clip_low=-clip, clip_high=clip, weight_decay=wd, decay_factor=1 - lr * wd)
 
 
-class ReferenceADOPT(torch.optim.Optimizer):
+class ReferenceADOPT(ReferenceLoop):
     """The oracle: ADOPT as the authors' single-tensor step computes it, one tensor at a time in ``compute_dtype``
     (float64 by default; None: each param's own dtype). As theirs, it keeps ``clip_lambda`` on the optimizer, out
     of its groups (so out of its state_dict)."""
@@ -110,42 +111,32 @@ class ReferenceADOPT(torch.optim.Optimizer):
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.9999), eps=1e-6, clip_lambda=fourth_root, weight_decay=0.0,
                  decouple=False, maximize=False, compute_dtype: torch.dtype | None = torch.float64):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, decouple=decouple,
-                                      maximize=maximize))
+                                      maximize=maximize), compute_dtype)
         self.clip_lambda = clip_lambda
-        self.compute_dtype = compute_dtype
 
     @torch.no_grad()
     def step(self, closure=None):  # (torch.optim's signature: trainers pass closure=None; none is taken here)
-        for group in self.param_groups:
+        for group, p, state, dtype, t in self.stepping("exp_avg", "exp_avg_sq"):  # (t: the steps before this one)
             beta1, beta2 = group["betas"]
             lr, wd, eps, clip_lambda = group["lr"], group["weight_decay"], group["eps"], self.clip_lambda
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                dtype = self.compute_dtype or p.dtype
-                state = self.state[p]
-                if not state:
-                    state.update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
-                t = int(state["step"])  # the steps before this one
-                state["step"] += 1
-                g = p.grad.to(dtype)
-                if group["maximize"]:
-                    g = -g
-                x = p.to(dtype)
-                if wd != 0 and not group["decouple"]:
-                    g = g + wd * x
-                v = state["exp_avg_sq"].to(dtype)
-                if t == 0:
-                    state["exp_avg_sq"].copy_(v + g * g)
-                    continue
-                if wd != 0 and group["decouple"]:
-                    x = x * (1 - lr * wd)
-                normed = g / v.sqrt().clamp(min=eps)
-                if clip_lambda is not None:
-                    clip = clip_lambda(t)
-                    normed = normed.clamp(-clip, clip)
-                m = state["exp_avg"].to(dtype)
-                m = m + (1 - beta1) * (normed - m)
-                p.copy_(x - lr * m)
-                state["exp_avg"].copy_(m)
-                state["exp_avg_sq"].copy_(beta2 * v + (1 - beta2) * g * g)
+            g = p.grad.to(dtype)
+            if group["maximize"]:
+                g = -g
+            x = p.to(dtype)
+            if wd != 0 and not group["decouple"]:
+                g = g + wd * x
+            v = state["exp_avg_sq"].to(dtype)
+            if t == 0:
+                state["exp_avg_sq"].copy_(v + g * g)
+                continue
+            if wd != 0 and group["decouple"]:
+                x = x * (1 - lr * wd)
+            normed = g / v.sqrt().clamp(min=eps)
+            if clip_lambda is not None:
+                clip = clip_lambda(t)
+                normed = normed.clamp(-clip, clip)
+            m = state["exp_avg"].to(dtype)
+            m = m + (1 - beta1) * (normed - m)
+            p.copy_(x - lr * m)
+            state["exp_avg"].copy_(m)
+            state["exp_avg_sq"].copy_(beta2 * v + (1 - beta2) * g * g)

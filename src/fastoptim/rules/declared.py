@@ -4,7 +4,9 @@ itself, and what the levels read, is ``base.Rule``, which takes these from here.
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import ClassVar, Iterator
+
+import torch
 
 
 class Declared:
@@ -31,3 +33,29 @@ class Declared:
     tensor_hypers: ClassVar[tuple[str, ...]] = ("lr",)
     low_precision_options: ClassVar[dict | None] = None
     fp16_options: ClassVar[dict] = {}
+
+
+class ReferenceLoop(torch.optim.Optimizer):
+    """The base of an oracle that is a plain loop of a published algorithm, one tensor at a time in
+    ``compute_dtype`` (float64 by default; None: each param's own dtype): its ``step`` walks ``stepping``."""
+
+    def __init__(self, params, defaults: dict, compute_dtype: torch.dtype | None):
+        super().__init__(params, defaults)
+        self.compute_dtype = compute_dtype
+
+    def stepping(self, *state_names: str, counted: bool = True) -> Iterator[tuple]:
+        """Each (group, param, its state, compute dtype, steps before this one) of the params with a grad; a new
+        state is zeros for each of ``state_names`` (and, where ``counted``, a step count that this moves on)."""
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state.update({name: torch.zeros_like(p) for name in state_names})
+                    if counted:
+                        state["step"] = torch.tensor(0.0)
+                before = int(state["step"]) if counted else 0
+                if counted:
+                    state["step"] += 1
+                yield group, p, state, self.compute_dtype or p.dtype, before
