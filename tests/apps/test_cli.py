@@ -201,8 +201,9 @@ def test_curves_rows_run_the_level_they_name(monkeypatch):
     """Routing on (as for users): the foreach and compiled rows of the curves still run their own paths."""
     from fastoptim import curves
     from fastoptim.engine import dispatch as levels
+    from fastoptim.levels import record_paths
     monkeypatch.setattr(levels, "ROUTING", True)
-    with levels.record_paths() as paths:
+    with record_paths() as paths:
         curves.run(["adamw"], ["foreach", "compiled"], [], steps=2)
     assert {"foreach", "compiled"} <= set(paths) and "torch_fused" not in paths
     assert levels.ROUTING is True  # restored

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import fastoptim
-from fastoptim.engine import dispatch as levels
+from fastoptim.levels import record_paths
 from fastoptim.levels import LEVELS
 from fastoptim.reference import ReferenceMuon
 from fastoptim.rules import muon as muon_rule
@@ -48,7 +48,7 @@ def test_newton_schulz_runs_once_per_shape_group(level, monkeypatch):
     ps = _matrices()
     opt = fastoptim.Muon(ps, lr=0.02, impl=level)
     _grads(1, ps)
-    with levels.record_paths() as paths:
+    with record_paths() as paths:
         opt.step()
     expected = "stage_compiled" if level == "compiled" else "stage_batched"
     assert expected in paths
@@ -57,7 +57,7 @@ def test_newton_schulz_runs_once_per_shape_group(level, monkeypatch):
     calls.clear()
     loop = fastoptim.Muon(_matrices(), lr=0.02, impl="loop")
     _grads(1, loop.param_groups[0]["params"])
-    with levels.record_paths() as paths:
+    with record_paths() as paths:
         loop.step()
     assert "stage_loop" in paths and len(calls) == len(SHAPES)
 

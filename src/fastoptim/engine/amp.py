@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from ..paths.base import triton_available, uses_triton
+from ..paths.environment import triton_available, uses_triton
 from .plan import take_back
 
 

@@ -38,8 +38,9 @@ import torch
 from torch import Tensor
 
 from .. import storage
-from ..paths.base import (PATHS, Bucket, Path, StepContext, caller_stacklevel, record_paths, scaled_grads,  # noqa: F401
-                          subset, took, triton_available, uses_triton)
+from ..paths.base import Bucket, Path, StepContext, scaled_grads, subset
+from ..paths.environment import caller_stacklevel, uses_triton
+from ..paths.record import took
 from ..paths.compiled import COMPILED, COMPILED_LARGE, COMPILED_OR_NEXT, MIN_NUMEL as COMPILED_MIN_NUMEL, large_tensors
 from ..paths.cpu_kernel import CPU_KERNEL
 from ..paths.foreach import FOREACH

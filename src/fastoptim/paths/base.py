@@ -1,4 +1,5 @@
-"""What every path shares: the bucket it runs on, the step context, the ``Path`` interface and ``record_paths``.
+"""What every path shares: the bucket it runs on, the step context, the ``Path`` interface and the scalars'
+packing (which path ran: ``record``; where Triton runs and where a warning points: ``environment``).
 
 A *path* is one way a bucket can run (the loop, foreach, compiled, torch's fused kernel, the CPU kernel, Triton,
 Triton on stored formats, staged, per-tensor stages). It declares which params of a bucket it takes
@@ -10,12 +11,8 @@ the dispatcher (``fastoptim.engine.dispatch``), which also does what a path decl
 from __future__ import annotations
 
 import dataclasses
-import os
-import sys
-from contextlib import contextmanager
 from dataclasses import dataclass, field
-from functools import lru_cache
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 from torch import Tensor
@@ -114,30 +111,6 @@ class Path:
         raise NotImplementedError
 
 
-# --- which path ran: tests of a fast path assert that it ran -------------------------------------------
-
-PATHS = ("loop", "foreach", "compiled", "triton", "triton_stored", "torch_fused", "cpu_kernel",
-         "stage_loop", "stage_batched", "stage_compiled")  # (the last three: per-tensor stages, ``stages``)
-_path_log: list[str] | None = None
-
-
-@contextmanager
-def record_paths() -> Iterator[list[str]]:
-    """Collect the name of every path the dispatcher runs while the block runs (one entry per bucket run;
-    a bucket split between two paths gives both). Costs one global read per bucket when not recording."""
-    global _path_log
-    outer, _path_log = _path_log, []
-    try:
-        yield _path_log
-    finally:
-        _path_log = outer
-
-
-def took(path: str) -> None:
-    if _path_log is not None:
-        _path_log.append(path)
-
-
 def scaled_grads(grads: list[Tensor], grad_mul: Tensor | None) -> list[Tensor]:
     """Grads times ``grad_mul``, as new tensors (the user's ``.grad`` stays as it is)."""
     if grad_mul is None:
@@ -161,31 +134,3 @@ def compiled_scalars(scalars: tuple, device: torch.device, param_dtype: torch.dt
     packed = pack_scalars(scalars, device, torch.float64 if param_dtype == torch.float64 else torch.float32)
     torch._dynamo.mark_static(packed, 0)
     return packed
-
-
-@lru_cache(maxsize=None)
-def triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def uses_triton(device: torch.device) -> bool:
-    """Whether the fused level runs its Triton kernel here: CUDA tensors, or CPU tensors while Triton's
-    interpreter is on (``TRITON_INTERPRET=1``, how the kernels are tested without a GPU)."""
-    wanted = device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
-    return wanted and triton_available()
-
-
-_LIBRARY_DIRS = (os.path.dirname(os.path.dirname(__file__)), os.path.dirname(torch.__file__))
-
-
-def caller_stacklevel() -> int:
-    """The ``stacklevel`` that points a warning at the first frame outside fastoptim and torch (the user's
-    ``opt.step()``), however deep inside the step it is raised."""
-    frame, level = sys._getframe(1), 1
-    while frame is not None and frame.f_code.co_filename.startswith(_LIBRARY_DIRS):
-        frame, level = frame.f_back, level + 1
-    return level

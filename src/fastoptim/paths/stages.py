@@ -28,7 +28,8 @@ import torch
 from torch import Tensor
 
 from . import sharded
-from .base import Bucket, Path, StepContext, compiled_scalars, took
+from .base import Bucket, Path, StepContext, compiled_scalars
+from .record import took
 
 
 class StageRule:

@@ -12,7 +12,9 @@ import torch
 
 from . import kernels as cpu_kernels
 from ...native import bulk
-from ..base import Bucket, GradViews, Path, StepContext, caller_stacklevel, pack_scalars, subset, took
+from ..base import Bucket, GradViews, Path, StepContext, pack_scalars, subset
+from ..environment import caller_stacklevel
+from ..record import took
 
 _kernel_warned: set = set()
 

@@ -43,7 +43,8 @@ import triton.language as tl
 from torch import Tensor
 from triton.runtime.jit import JITFunction
 
-from ..base import pack_scalars, took
+from ..base import pack_scalars
+from ..record import took
 
 CHUNK = 1 << 16
 BLOCK = 1024

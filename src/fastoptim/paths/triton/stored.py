@@ -46,7 +46,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ..base import pack_scalars, took
+from ..base import pack_scalars
+from ..record import took
 from .kernels import ALIGN, NUM_WARPS, PROLOGUE, _exec_source, _jit, interpreting, triton_twin
 from ... import storage
 from ...native import bulk
