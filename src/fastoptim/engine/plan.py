@@ -112,9 +112,9 @@ class Plan:
         mode each param still is its view of the buffer: one pass against views the buffer keeps anyway (cheaper
         than reading each param's address and shape)."""
         if self.flat is not None:
-            return all(fb.intact() for fb in self.flat) and (not self.watched or bulk.layouts(self.watched)
+            return all(fb.intact() for fb in self.flat) and (not self.watched or bulk.layouts(self.watched, False)
                                                               == self.layouts)
-        return bulk.layouts(self.watched) == self.layouts
+        return bulk.layouts(self.watched, len(params)) == self.layouts
 
     def commit(self) -> None:
         """Put the built states in place (building changed nothing, so a failed or skipped step leaves
@@ -141,9 +141,11 @@ class Plan:
             bucket.dicts = list(map(state_map.get, bucket.owners))
         self.version = state_map.version
         if self.reusable:
-            self.watched = (([] if self.flat is not None else list(self.params))
-                            + _stored_states(self.buckets, self.plain_watched))
-            self.layouts = bulk.layouts(self.watched)
+            # (the params' shapes and strides too; the states' addresses: a state is replaced, not re-laid)
+            shaped = 0 if self.flat is not None else len(self.params)
+            self.watched = ([] if self.flat is not None else list(self.params)) + _stored_states(self.buckets,
+                                                                                                 self.plain_watched)
+            self.layouts = bulk.layouts(self.watched, shaped)
         for fb in self.flat or ():
             fb.settle()
 

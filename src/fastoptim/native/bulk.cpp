@@ -145,24 +145,24 @@ static PyObject* set_each(PyObject*, PyObject* args) {
     Py_RETURN_NONE;
 }
 
-// layouts(tensors, shapes): the bytes of each tensor's data address (Tensor.data_ptr), and where shapes its dim,
-// sizes and strides; equal bytes: every tensor lies where and as it did
+// layouts(tensors, shaped): the bytes of each tensor's data address (Tensor.data_ptr), and for the first shaped
+// tensors also its dim, sizes and strides; equal bytes: every tensor lies where (and those as) it did
 static PyObject* layouts(PyObject*, PyObject* args) {
     PyObject* seq;
-    int shapes;
-    if (!PyArg_ParseTuple(args, "Op", &seq, &shapes) || !sequence(seq, "layouts") || !all_tensors(seq, "layouts"))
+    Py_ssize_t shaped;
+    if (!PyArg_ParseTuple(args, "On", &seq, &shaped) || !sequence(seq, "layouts") || !all_tensors(seq, "layouts"))
         return nullptr;
     try {
         const std::vector<c10::TensorImpl*> x = impls(seq);
         std::vector<int64_t> out;
-        out.reserve(x.size() * (shapes ? 10 : 1));
+        out.reserve(x.size() + static_cast<size_t>(std::max<Py_ssize_t>(shaped, 0)) * 9);
         for (size_t i = 0; i < x.size(); ++i) {
             if (i + AHEAD < x.size()) prefetch(x[i + AHEAD], 4);
             const c10::TensorImpl* t = x[i];
             const char* data = t->has_storage() && !t->is_empty() ? static_cast<const char*>(t->storage().data()) +
                                                                       t->storage_offset() * t->itemsize() : nullptr;
             out.push_back(reinterpret_cast<int64_t>(data));
-            if (!shapes) continue;
+            if (static_cast<Py_ssize_t>(i) >= shaped) continue;
             out.push_back(t->dim());
             for (int64_t d : t->sizes()) out.push_back(d);
             for (int64_t d : t->strides()) out.push_back(d);

@@ -125,15 +125,18 @@ def with_grads(params: Sequence[Tensor]) -> tuple[list[Tensor], list[Tensor], bo
     return params, grads, plain, dense
 
 
-def layouts(tensors: Sequence[Tensor], shapes: bool = True) -> object:
-    """Where each tensor's data lies (``data_ptr``) and, where ``shapes``, its sizes and strides: equal
-    results (of one process) mean every tensor lies where and as it did (``p.data = ...``, ``p.t_()``, a
-    resize or ``share_memory_()`` since change it, even at the same address)."""
+def layouts(tensors: Sequence[Tensor], shapes: bool | int = True) -> object:
+    """Where each tensor's data lies (``data_ptr``) and, where ``shapes`` (True: of every tensor; a number: of
+    that many first ones), its sizes and strides: equal results (of one process) mean every tensor lies where
+    and as it did (``p.data = ...``, ``p.t_()``, a resize or ``share_memory_()`` since change it, even at the
+    same address)."""
+    tensors = _sequence(tensors)
+    shaped = len(tensors) if shapes is True else int(shapes)
     native = _native("layouts")
     if native is not None:
-        return native(_sequence(tensors), shapes)
+        return native(tensors, shaped)
     addresses = list(map(Tensor.data_ptr, tensors))
-    return list(zip(addresses, map(Tensor.stride, tensors), map(Tensor.size, tensors))) if shapes else addresses
+    return [(a, t.stride(), t.size()) if i < shaped else a for i, (a, t) in enumerate(zip(addresses, tensors))]
 
 
 def kinds(tensors: Sequence[Tensor]) -> object:
