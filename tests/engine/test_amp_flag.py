@@ -55,6 +55,26 @@ def test_the_flag_follows_the_kernels_that_read_found_inf(monkeypatch):
     assert fastoptim.AdamW(bf16, impl="fused", rounding="stochastic")._step_supports_amp_scaling is False
 
 
+def test_the_flag_reads_each_groups_own_rounding(monkeypatch):
+    """Stochastic rounding reads found_inf on the host: a group's own ``rounding`` decides, not the optimizer's
+    default (which only the groups that set none take)."""
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+    def bf16():
+        return [torch.nn.Parameter(torch.randn(4, 3, dtype=torch.bfloat16))]
+
+    one_group_stochastic = fastoptim.AdamW([{"params": bf16()}, {"params": bf16(), "rounding": "stochastic"}],
+                                           impl="fused")
+    assert one_group_stochastic._step_supports_amp_scaling is False, "a group rounds stochastically"
+    no_group_stochastic = fastoptim.AdamW([{"params": bf16(), "rounding": "nearest"},
+                                           {"params": bf16(), "rounding": "kahan"}],
+                                          impl="fused", rounding="stochastic")
+    assert no_group_stochastic._step_supports_amp_scaling is True, "no group rounds stochastically"
+    no_group_stochastic.param_groups[1]["rounding"] = "stochastic"  # (asked at every GradScaler step)
+    assert no_group_stochastic._step_supports_amp_scaling is False
+
+
 def _scaler():
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
     scaler.scale(torch.ones(()))  # (its scale is made at the first scale())
@@ -91,6 +111,7 @@ def test_accelerate_sees_a_skipped_step_and_holds_the_lr_as_for_torch_optim(name
     """accelerate decides ``step_was_skipped`` by whether the optimizer's ``step`` was called. accelerate 1.15 gives
     a CPU run under mixed_precision="fp16" no GradScaler, so its AcceleratedOptimizer and AcceleratedScheduler are
     built here around a CPU GradScaler (the same code paths a CUDA run takes)."""
+    pytest.importorskip("accelerate")
     from accelerate import Accelerator
     from accelerate.optimizer import AcceleratedOptimizer
     from accelerate.scheduler import AcceleratedScheduler
@@ -152,7 +173,7 @@ def test_unscale_clip_then_step_matches_torch_optim(monkeypatch, impl, flat, bit
 def test_lightning_clips_under_bf16_mixed_with_a_fastoptim_optimizer():
     """Lightning refuses ``gradient_clip_val`` for an optimizer that claims to unscale inside its step; a fastoptim
     AdamW on the CPU trains as torch.optim.AdamW does, clipped."""
-    import lightning.pytorch as pl
+    pl = pytest.importorskip("lightning.pytorch")
 
     class Tiny(pl.LightningModule):
         def __init__(self, make_opt):

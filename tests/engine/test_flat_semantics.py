@@ -86,6 +86,41 @@ def test_a_param_without_a_grad_is_not_stepped_as_in_torch(name, zero_grad):
         _assert_same(ours_model, ours, ref_model, ref)
 
 
+def _differing(ours_model, ref_model, atol=1e-6, rtol=1e-5):
+    """The names of the params, and of the grads (``name.grad``), that are not torch.optim's."""
+    out = []
+    for (name, a), b in zip(ours_model.named_parameters(), ref_model.parameters()):
+        if not torch.allclose(a, b, atol=atol, rtol=rtol):
+            out.append(name)
+        if a.grad is None or b.grad is None:
+            same_grad = a.grad is None and b.grad is None
+        else:
+            same_grad = torch.allclose(a.grad, b.grad, atol=atol, rtol=rtol)
+        if not same_grad:
+            out.append(f"{name}.grad")
+    return out
+
+
+@pytest.mark.parametrize("dropped", ["head.weight", "branch.bias", "trunk.weight"])
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_one_grad_set_to_none_starts_again_at_zero_while_the_others_accumulate(name, dropped):
+    """No zero_grad between steps, one param's grad set to None by hand, then two backwards: that grad starts
+    from zero (its part of the buffer still holds its last grad, which no memset of the whole buffer may clear:
+    the other grads are still there and accumulate). ``dropped``: first, amid and last in backward's order."""
+    ours_model, ours, ref_model, ref = _pair(*OPTIMIZERS[name])
+    g = torch.Generator().manual_seed(1)
+    xs = [torch.randn(5, 6, generator=g) for _ in range(6)]
+    for step in range(3):
+        for model, opt in ((ours_model, ours), (ref_model, ref)):
+            if step:
+                model.get_parameter(dropped).grad = None
+            model(xs[2 * step]).square().mean().backward()
+            model(xs[2 * step + 1]).square().mean().backward()
+            opt.step()
+        differing = _differing(ours_model, ref_model)  # (the grads as the step found them)
+        assert not differing, f"step {step}: not torch.optim's: {differing}"
+
+
 def test_zero_grad_sets_grads_to_none_or_zeroes_the_buffer_as_asked():
     model = Branchy()
     model.head.weight.grad = torch.ones_like(model.head.weight)  # a grad before the optimizer is made

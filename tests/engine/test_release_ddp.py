@@ -1,6 +1,10 @@
 """Gradient release tied to DDP (``opt.release_with(ddp_model)``, ``engine.release_ddp``) in one process: a
-world of one rank (gloo), where DDP runs its reducer and comm hooks as on many. The two-rank checks, bit for bit
-against plain DDP with different data on each rank, are dist_worker.py's (test_distributed.py)."""
+world of one rank (gloo), where DDP runs its reducer and comm hooks as on many, and three ranks as threads of this
+process, where scaling by 1/3 rounds. The checks on ranks of their own processes, bit for bit against plain DDP with
+different data on each rank, are dist_worker.py's (test_distributed.py)."""
+
+import threading
+from datetime import timedelta
 
 import pytest
 import torch
@@ -24,15 +28,16 @@ def _model():
                                torch.nn.Linear(32, 4))
 
 
-def _train(release, view, steps=3):
+def _train(release, view, steps=3, group=None, rank=0, net=None):
     """Each step: a no_sync micro-batch, a synced one under opt.accumulating() (reduced, not stepped), then the
-    synced one that steps. Returns the params and the grads left after each stepping backward."""
-    net = _model()
+    synced one that steps. Returns the params and the grads left after each stepping backward. ``group``: DDP's
+    process group (None: the default one); each rank draws its own data."""
+    net = _model() if net is None else net
     opt = AdamW(net.parameters(), lr=1e-2, gradient_release=release)
-    ddp = DistributedDataParallel(net, bucket_cap_mb=0.002, gradient_as_bucket_view=view)
+    ddp = DistributedDataParallel(net, process_group=group, bucket_cap_mb=0.002, gradient_as_bucket_view=view)
     if release:
         opt.release_with(ddp)
-    g = torch.Generator().manual_seed(1)
+    g = torch.Generator().manual_seed(1 + rank)
     left = []
     for _ in range(steps):
         with ddp.no_sync():
@@ -136,3 +141,46 @@ def test_a_bad_group_is_refused_before_any_ddp_bucket_steps(one_rank):
         ddp(torch.randn(4, 16)).pow(2).mean().backward()
     assert opt._release.ddp.buckets_stepped == stepped
     assert all(torch.equal(a, b) for a, b in zip(before, net.parameters()))
+
+
+def _on_ranks(run, world):
+    """``run(group, rank)`` on ``world`` ranks, each a thread of this process with a gloo process group of its own
+    over one in-memory store (no default group is made). Returns the results by rank."""
+    store = dist.HashStore()
+    results, errors = {}, []
+
+    def rank_main(rank):
+        try:
+            backend = dist.ProcessGroupGloo(store, rank, world, timedelta(seconds=60))
+            group = dist.ProcessGroup(store, rank, world)  # (put together as dist.new_group does)
+            group._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
+            group._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, backend)
+            results[rank] = run(group, rank)
+        except BaseException as e:  # (the other ranks then wait in a collective until the timeout)
+            errors.append(e)
+
+    threads = [threading.Thread(target=rank_main, args=(rank,), daemon=True) for rank in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    if errors:
+        raise errors[0]
+    assert not any(t.is_alive() for t in threads), "a rank hung"
+    return results
+
+
+@pytest.mark.parametrize("view", [False, True])
+def test_ddp_release_on_three_ranks_scales_grads_as_plain_ddp_bit_for_bit(view):
+    """Three ranks with different data: DDP scales each grad by 1/3, which rounds (x / 3 is not x * (1 / 3) in
+    fp32), so the tie must scale as DDP's reducer does: times the reciprocal where a grad is copied into the
+    bucket, divided where it was the bucket's view already (``view``: the synced backward under
+    opt.accumulating() leaves it so)."""
+    nets = [_model() for _ in range(6)]  # (made here: the ranks' threads share torch's global generator)
+    reference = _on_ranks(lambda group, rank: _train(False, view, group=group, rank=rank, net=nets[rank])[0], 3)
+    released = _on_ranks(lambda group, rank: _train(True, view, group=group, rank=rank, net=nets[3 + rank]), 3)
+    for rank in range(3):
+        params, left, opt = released[rank]
+        off = max((a - b).abs().max().item() for a, b in zip(params, reference[rank]))
+        assert off == 0.0, f"rank {rank}: {off} off plain DDP"
+        assert left == [[False] * 6] * 3 and opt._release.ddp.buckets_stepped > 3

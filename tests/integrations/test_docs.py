@@ -18,17 +18,17 @@ import fastoptim
 DOC = Path(__file__).resolve().parents[2] / "docs" / "integrations.md"
 
 
-def sections() -> dict[str, list[tuple[str | None, str, bool]]]:
-    """Section title -> [(the module the snippet requires, its code, whether it runs as a script)]."""
+def sections() -> dict[str, list[tuple[list[str], str, bool]]]:
+    """Section title -> [(the modules the snippet requires, its code, whether it runs as a script)]."""
     out: dict[str, list] = {}
     title = None
-    requires, script = None, False
+    requires, script = [], False
     lines = iter(DOC.read_text().splitlines())
     for line in lines:
         if line.startswith("## "):
             title = line[3:].strip()
-        elif m := re.match(r"<!-- requires: (\S+) -->", line):
-            requires = m.group(1)
+        elif m := re.match(r"<!-- requires: (.+?) -->", line):
+            requires = m.group(1).split()
         elif line.strip() == "<!-- script -->":
             script = True
         elif line.startswith("```python"):
@@ -38,7 +38,7 @@ def sections() -> dict[str, list[tuple[str | None, str, bool]]]:
                     break
                 code.append(inner)
             out.setdefault(title, []).append((requires, "\n".join(code), script))
-            requires, script = None, False
+            requires, script = [], False
     return out
 
 
@@ -48,11 +48,11 @@ SCRIPTS = [(title, requires, code) for title, snippets in SECTIONS.items()
 
 
 def _import(requires):
-    if requires:
+    for module in requires:
         try:
-            importlib.import_module(requires)
+            importlib.import_module(module)
         except Exception as e:  # timm imports torchvision, whose build may not match the installed torch
-            pytest.skip(f"{requires} does not import here ({type(e).__name__}: {e})")
+            pytest.skip(f"{module} does not import here ({type(e).__name__}: {e})")
 
 
 def test_the_doc_has_every_framework():

@@ -11,6 +11,7 @@ import fastoptim
 from .kinds import KIND_NAMES, KINDS, tokens
 
 transformers = pytest.importorskip("transformers")
+pytest.importorskip("accelerate", reason="transformers' Trainer needs accelerate")
 
 
 class Tokens(torch.utils.data.Dataset):

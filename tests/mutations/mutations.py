@@ -39,6 +39,8 @@ OLD_CPU_KERNELS = "src/fastoptim/levels/cpu_kernels.py"
 PARITY = tests("surface/test_parity_regimes.py", "surface/test_parity.py")
 LOW_BIT = tests("paths/test_cpu_kernels.py", "storage/test_low_bit.py", "storage/test_quant.py")
 SCHEDULES = tests("surface/test_schedules.py")
+FLAT = "src/fastoptim/engine/flat.py"
+FLAT_TESTS = tests("engine/test_flat_semantics.py", "surface/test_stateful.py")
 
 MUTATIONS = [
     Mutation("adam_weight_decay_dropped",
@@ -171,4 +173,43 @@ MUTATIONS = [
               Site("src/fastoptim/rules/sgd.py", "grad_weight=1.0 if first else 1.0 - group[\"dampening\"])",
                    "grad_weight=1.0 - group[\"dampening\"])")),  # by name after it
              "SGD's first momentum step damped (torch sets the buffer to g undamped)", PARITY, "sgd"),
+    # flat mode's grad hook (FlatBucket.point_grad): a grad set to None alone, and the memset of the whole buffer
+    Mutation("flat_grad_set_to_none_not_rezeroed",
+             (Site(FLAT, "        else:\n            view.zero_()\n        p.grad = view\n",
+                   "        else:\n            pass\n        p.grad = view\n"),),
+             "flat mode: a param whose grad alone was set to None gets its next grad added onto the old values of "
+             "its part of the grad buffer", FLAT_TESTS),
+    Mutation("flat_first_hook_clears_grads_in_use",
+             (Site(FLAT, "            if not with_grads(self.params)[0]:\n                self.grad_buffer.zero_()\n",
+                   "            if True:\n                self.grad_buffer.zero_()\n"),),
+             "flat mode: the first grad hook of a backward zeroes the whole grad buffer, the grads other params "
+             "still hold (and accumulate into) among it", FLAT_TESTS),
+    # loading.py's checks became checkpoints.py (97c9906)
+    Mutation("loaded_bf16_state_kept_as_the_callers",
+             (Site("src/fastoptim/loading.py", "kept.append((index, p, name, value.to(p.device, copy=True)))",
+                   "kept.append((index, p, name, value.to(p.device)))"),
+              Site("src/fastoptim/checkpoints.py", "kept.append(Kept(index, p, name, value.to(p.device, copy=True)))",
+                   "kept.append(Kept(index, p, name, value.to(p.device)))")),
+             "a loaded 16-bit state stays the checkpoint's own tensor: the next step writes into the caller's "
+             "state_dict", tests("surface/test_state_dict.py")),
+    Mutation("amp_flag_reads_the_optimizers_rounding",
+             (Site("src/fastoptim/engine/amp.py", 'opt._storage_settings(group)[2] == "stochastic"',
+                   'opt.rounding == "stochastic"'),
+              Site("src/fastoptim/engine/amp.py", 'settings.storage_of(group).rounding == "stochastic"',
+                   'settings.rounding == "stochastic"')),
+             "_step_supports_amp_scaling reads the optimizer's rounding, not each group's own",
+             tests("engine/test_amp_flag.py")),
+    # DDP's reducer scales a grad times 1/world as it copies it into the bucket: x / 3 rounds otherwise
+    Mutation("ddp_release_divides_by_the_world_size",
+             (Site("src/fastoptim/engine/release_ddp.py", "            buffer.mul_(1.0 / world)\n",
+                   "            buffer.div_(world)\n"),),
+             "the DDP tie divides the bucket by the world size where DDP multiplies by its reciprocal (equal bit "
+             "for bit at 1 and 2 ranks)", tests("engine/test_release_ddp.py", "engine/test_distributed.py")),
+    Mutation("ddp_release_in_place_grad_multiplied",
+             (Site("src/fastoptim/engine/release_ddp.py",
+                   "grad.div_(world) if was_view else grad.mul_(1.0 / world)",
+                   "grad.mul_(1.0 / world) if was_view else grad.mul_(1.0 / world)"),),
+             "the DDP tie multiplies a grad accumulated in the bucket's view by 1/world where DDP divides it in "
+             "place (gradient_as_bucket_view=True; equal bit for bit at 1 and 2 ranks)",
+             tests("engine/test_release_ddp.py", "engine/test_distributed.py")),
 ]

@@ -92,20 +92,33 @@ def test_save_load_continue_is_bit_identical(name, index, save_level, load_level
             assert torch.equal(torch.as_tensor(v), torch.as_tensor(resumed.state[b][k])), k
 
 
-def test_loading_does_not_alias_the_callers_checkpoint():
+KEPT_AS = {"fp32": torch.float32, "bf16": torch.bfloat16, "dynamic8": torch.uint8, "fp8": torch.uint8,
+           "dynamic4": torch.uint8}  # each format's saved dtype (quantized: its codes')
+
+
+@pytest.mark.parametrize("state_format", sorted(KEPT_AS))
+def test_loading_does_not_alias_the_callers_checkpoint(state_format):
+    """At every state format the loaded optimizer keeps states of its own: stepping it never writes into the
+    caller's state_dict (a state saved in the very dtype it is kept in could otherwise be kept as is)."""
     p = make_params()
-    opt = OPTIMIZERS["adam"].cls(p, lr=1e-2)
+    kw = dict(lr=1e-2, state_format=state_format, min_quant_size=0)
+    opt = OPTIMIZERS["adam"].cls(p, **kw)
     _run(opt, p, 2)
     sd = opt.state_dict()
-    snapshot = {k: {n: v.clone() for n, v in s.items()} for k, s in sd["state"].items()}
-    opt2 = OPTIMIZERS["adam"].cls(p, lr=1e-2)
+    kept_as = KEPT_AS[state_format]
+    name = "exp_avg.codes" if kept_as == torch.uint8 else "exp_avg"
+    assert sd["state"][3][name].dtype == kept_as  # (the 7x5 param: saved in its format)
+    snapshot = {k: {n: v.clone() if isinstance(v, torch.Tensor) else v for n, v in s.items()}
+                for k, s in sd["state"].items()}
+    opt2 = OPTIMIZERS["adam"].cls(p, **kw)
     opt2.load_state_dict(sd)
     opt.load_state_dict(_roundtrip(sd))  # the first optimizer must stop writing into sd too
     _run(opt2, p, 2, start=3)
     _run(opt, p, 2, start=3)
     for k, s in snapshot.items():
         for n, v in s.items():
-            assert torch.equal(sd["state"][k][n], v)
+            same = torch.equal(sd["state"][k][n], v) if isinstance(v, torch.Tensor) else sd["state"][k][n] == v
+            assert same, f"{state_format}: the caller's state {k} {n!r} changed"
 
 
 def test_sgd_state_has_no_step_and_first_step_semantics_survive_reload():

@@ -4,8 +4,9 @@ Each program builds a fastoptim optimizer (one level, flat or not) and its torch
 params, then does what users do between steps: steps with fresh grads (some None, some replacing the
 flat views), hyper-parameter changes, a cleared state, a replaced state mapping, a replaced state tensor
 or step count, a state_dict saved and loaded into a NEW optimizer, add_param_group, zero_grad, and
-GradScaler steps with inf grads, the first step included. After every action the params, the per-param
-state read through ``optimizer.state`` and the whole ``state_dict()`` must agree with torch's.
+GradScaler steps with inf grads, the first step included, and backwards that accumulate (after one grad was set
+to None by hand, too). After every action the params, their ``.grad``, the per-param state read through
+``optimizer.state`` and the whole ``state_dict()`` must agree with torch's.
 
 Flat mode runs the same programs, None grads included: as in torch, a param whose grad is None is not stepped.
 
@@ -101,6 +102,7 @@ class UserProgram(RuleBasedStateMachine):
         self.stepped_in_backward = False  # since the last step() or zero_grad(): another backward would be refused
         self.freed = False  # (release) grads freed since the last zero_grad(): set_to_none=False is refused
         self.defer_check = False
+        self.grads_scaled = False  # ours' grads left scaled by a step that unscaled them in its kernel
         self._as_stored()  # (Adagrad makes its state at once)
 
     def _draw(self, shape, rand=torch.randn):
@@ -119,6 +121,7 @@ class UserProgram(RuleBasedStateMachine):
         if at_least_one and not any(present):  # torch's GradScaler refuses a step with no grads at all
             present[0] = True
         in_place = self.flat and data.draw(st.booleans(), label="write into the flat grad views")
+        self.grads_scaled = False
         for i, (a, b) in enumerate(zip(self.ours_p, self.ref_p)):
             if not present[i]:
                 a.grad = b.grad = None
@@ -164,6 +167,8 @@ class UserProgram(RuleBasedStateMachine):
                 s.scale(torch.ones((), device=self.device))
         ours_s, ref_s = self.scalers
         self._set_grads(data, scale=ours_s.get_scale(), inf=inf, at_least_one=True)
+        # where the kernels unscale (as torch's fused=True), GradScaler leaves ours' grads scaled
+        self.grads_scaled = bool(self.ours._step_supports_amp_scaling)
         # skipped where an inf really went in (the draw may have picked a param without a grad)
         placed = any(bool(b.grad.isinf().any()) for b in self.ref_p if b.grad is not None)
         self._step(lambda: ours_s.step(self.ours), lambda: ref_s.step(self.ref), skipped=placed)
@@ -259,6 +264,7 @@ class UserProgram(RuleBasedStateMachine):
             return
         self.stepped_in_backward = False
         self.freed = False
+        self.grads_scaled = False
         self.ours.zero_grad(set_to_none=set_to_none)
         self.ref.zero_grad(set_to_none=set_to_none)
         for a, b in zip(self.ours_p, self.ref_p):
@@ -288,6 +294,31 @@ class UserProgram(RuleBasedStateMachine):
         with self.ours.accumulating():
             self._backward(self.ours_p, reached, weights)
         self._backward(self.ref_p, reached, weights)
+
+    @rule(data=st.data(), then_step=st.booleans())
+    def set_a_grad_to_none_then_accumulate(self, data, then_step):
+        """One grad set to None by hand while others are kept, then a backward that reaches it (and a step on what
+        it left): that grad starts again from zero while the others add up (flat mode: its part of the buffer still
+        holds its old grad, beside grads in use)."""
+        n = len(self.ours_p)
+        if sum(a.grad is not None for a in self.ours_p) < 2:  # (grads to keep and one to drop: a backward first)
+            weights = [self._draw(p.shape) for p in self.ref_p]
+            with self.ours.accumulating():
+                self._backward(self.ours_p, [True] * n, weights)
+            self._backward(self.ref_p, [True] * n, weights)
+        held = [i for i, a in enumerate(self.ours_p) if a.grad is not None]
+        i = data.draw(st.sampled_from(held), label="grad set to None")
+        self.ours_p[i].grad = self.ref_p[i].grad = None
+        reached, weights = self._draw_backward(data)
+        reached[i] = True
+        with self.ours.accumulating():
+            self._backward(self.ours_p, reached, weights)
+        self._backward(self.ref_p, reached, weights)
+        # (not on grads a GradScaler step left scaled, or inf: stepped, they make NaN on both sides)
+        finite = all(bool(b.grad.isfinite().all()) for b in self.ref_p if b.grad is not None)
+        if then_step and finite and not self.grads_scaled:
+            self.stepped_in_backward = False
+            self._step(self.ours.step, self.ref.step)
 
     # (a second stepping backward before step() or zero_grad() is refused: tests/engine/test_release.py)
     @precondition(lambda self: self.release and not self.stepped_in_backward)
@@ -377,6 +408,9 @@ class UserProgram(RuleBasedStateMachine):
             return
         for i, (a, b) in enumerate(zip(self.ours_p, self.ref_p)):
             torch.testing.assert_close(a.detach(), b.detach(), atol=ATOL, rtol=RTOL, msg=lambda m: f"param {i}: {m}")
+            assert (a.grad is None) == (b.grad is None), (i, a.grad, b.grad)
+            if b.grad is not None and not self.grads_scaled:
+                torch.testing.assert_close(a.grad, b.grad, atol=ATOL, rtol=RTOL, msg=lambda m: f"grad {i}: {m}")
             ours, ref = self.ours.state.get(a) or {}, self.ref.state.get(b) or {}
             assert set(ours) == set(ref), (i, sorted(ours), sorted(ref))
             for k, v in ref.items():
