@@ -44,7 +44,8 @@ FLAT_TESTS = tests("engine/test_flat_semantics.py", "surface/test_stateful.py")
 
 MUTATIONS = [
     Mutation("adam_weight_decay_dropped",
-             (Site(ADAM, "            g = g + weight_decay * p\n", "            g = g\n"),),
+             (Site(ADAM, "            g = g + weight_decay * p\n", "            g = g\n"),
+              Site(ADAM, "maximize_and_decay(p, g, weight_decay,", "maximize_and_decay(p, g, 0.0,")),
              "Adam's L2 weight decay dropped (AdamW's decoupled one kept)", PARITY, "adam"),
     Mutation("rmsprop_eps_inside_sqrt",
              (Site("src/fastoptim/rules/rmsprop.py", "        avg = sqrt(square_avg) + eps\n",
@@ -76,7 +77,8 @@ MUTATIONS = [
              PARITY, "adam"),
     Mutation("adagrad_maximize_dropped",
              (Site("src/fastoptim/rules/adagrad.py", "    if MAXIMIZE:\n        g = -g\n",
-                   "    if False:\n        g = -g\n"),),
+                   "    if False:\n        g = -g\n"),
+              Site("src/fastoptim/rules/adagrad.py", "None, MAXIMIZE, WEIGHT_DECAY", "None, False, WEIGHT_DECAY")),
              "Adagrad ignores maximize", PARITY, "adagrad"),
     Mutation("clip_factor_eps",
              (Site("src/fastoptim/clip.py", "torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)",

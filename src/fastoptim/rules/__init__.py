@@ -7,7 +7,7 @@ import pkgutil
 
 from .base import RULES, Rule, register
 
-_NOT_RULES = {"base", "declared", "prims"}
+_NOT_RULES = {"base", "common", "declared", "prims"}
 
 __all__ = ["Rule", "RULES", "register"]
 for _module in pkgutil.iter_modules(__path__):

@@ -11,16 +11,14 @@ r"""Adadelta (Zeiler 2012, "ADADELTA: An Adaptive Learning Rate Method"), torch.
 from __future__ import annotations
 
 from .base import Rule, _number, check_bool, check_nonnegative, nonzero, register
+from .common import maximize_and_decay
 from .prims import sqrt
 
 
 def adadelta_update(p, g, square_avg, acc_delta,
                     lr, rho, one_minus_rho, eps, weight_decay,
                     MAXIMIZE, WEIGHT_DECAY):
-    if MAXIMIZE:
-        g = -g
-    if WEIGHT_DECAY:
-        g = g + weight_decay * p
+    p, g = maximize_and_decay(p, g, weight_decay, None, MAXIMIZE, WEIGHT_DECAY, DECOUPLED=False)
     square_avg = square_avg * rho + g * g * one_minus_rho
     delta = sqrt(acc_delta + eps) / sqrt(square_avg + eps) * g
     acc_delta = acc_delta * rho + delta * delta * one_minus_rho

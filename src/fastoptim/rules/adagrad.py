@@ -11,16 +11,14 @@ from __future__ import annotations
 import torch
 
 from .base import Rule, check_bool, check_nonnegative, nonzero, register, steps_list
+from .common import maximize_and_decay
 from .prims import sqrt
 
 
 def adagrad_update(p, g, state_sum,
                    clr, eps, weight_decay,
                    MAXIMIZE, WEIGHT_DECAY):
-    if MAXIMIZE:
-        g = -g
-    if WEIGHT_DECAY:
-        g = g + weight_decay * p
+    p, g = maximize_and_decay(p, g, weight_decay, None, MAXIMIZE, WEIGHT_DECAY, DECOUPLED=False)
     state_sum = state_sum + g * g
     p = p - clr * (g / (sqrt(state_sum) + eps))
     return p, state_sum

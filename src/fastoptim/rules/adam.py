@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from .base import Rule, nonzero, register, steps_list, check_betas, check_bool, check_nonnegative
+from .common import adam_moments, maximize_and_decay
 from .prims import maximum, sqrt
 
 
@@ -21,15 +22,8 @@ def adam_update(p, g, exp_avg, exp_avg_sq, max_exp_avg_sq,
                 step_size, one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay, decay_factor,
                 bias_correction2_sqrt,
                 MAXIMIZE, WEIGHT_DECAY, DECOUPLED, AMSGRAD):
-    if MAXIMIZE:
-        g = -g
-    if WEIGHT_DECAY:
-        if DECOUPLED:
-            p = p * decay_factor
-        else:
-            g = g + weight_decay * p
-    exp_avg = exp_avg + (g - exp_avg) * one_minus_beta1
-    exp_avg_sq = exp_avg_sq * beta2 + g * g * one_minus_beta2
+    p, g = maximize_and_decay(p, g, weight_decay, decay_factor, MAXIMIZE, WEIGHT_DECAY, DECOUPLED)
+    exp_avg, exp_avg_sq = adam_moments(g, exp_avg, exp_avg_sq, one_minus_beta1, beta2, one_minus_beta2)
     if AMSGRAD:
         max_exp_avg_sq = maximum(max_exp_avg_sq, exp_avg_sq)
         denom = sqrt(max_exp_avg_sq) / bias_correction2_sqrt + eps

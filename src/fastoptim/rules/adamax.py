@@ -10,16 +10,14 @@ r"""Adamax, Adam with the infinity norm (Kingma & Ba 2015, section 7.1), torch.o
 from __future__ import annotations
 
 from .base import Rule, check_betas, check_bool, check_nonnegative, nonzero, register
+from .common import maximize_and_decay
 from .prims import maximum
 
 
 def adamax_update(p, g, exp_avg, exp_inf,
                   clr, one_minus_beta1, beta2, eps, weight_decay,
                   MAXIMIZE, WEIGHT_DECAY):
-    if MAXIMIZE:
-        g = -g
-    if WEIGHT_DECAY:
-        g = g + weight_decay * p
+    p, g = maximize_and_decay(p, g, weight_decay, None, MAXIMIZE, WEIGHT_DECAY, DECOUPLED=False)
     exp_avg = exp_avg + (g - exp_avg) * one_minus_beta1
     exp_inf = maximum(exp_inf * beta2, maximum(g, -g) + eps)  # max(g, -g) is |g| exactly (NaN stays NaN)
     p = p - clr * (exp_avg / exp_inf)

@@ -23,6 +23,7 @@ import math
 import torch
 
 from .base import Rule, _number, check_bool, check_nonnegative, check_unit_interval, nonzero, register
+from .common import maximize_and_decay
 from .declared import ReferenceLoop
 from .prims import sqrt
 
@@ -31,10 +32,7 @@ def ademamix_update(p, g, exp_avg, exp_avg_slow, exp_avg_sq,
                     lr, beta1, one_minus_beta1, beta2, one_minus_beta2, beta3, one_minus_beta3, alpha,
                     bias_correction1, bias_correction2_sqrt, eps, decay_factor,
                     MAXIMIZE, WEIGHT_DECAY):
-    if MAXIMIZE:
-        g = -g
-    if WEIGHT_DECAY:
-        p = p * decay_factor
+    p, g = maximize_and_decay(p, g, None, decay_factor, MAXIMIZE, WEIGHT_DECAY, DECOUPLED=True)
     exp_avg = exp_avg * beta1 + g * one_minus_beta1
     exp_avg_slow = exp_avg_slow * beta3 + g * one_minus_beta3
     exp_avg_sq = exp_avg_sq * beta2 + g * g * one_minus_beta2

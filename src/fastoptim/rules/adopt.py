@@ -26,6 +26,7 @@ import math
 import torch
 
 from .base import Rule, check_betas, check_bool, check_nonnegative, nonzero, register
+from .common import maximize_and_decay
 from .declared import ReferenceLoop
 from .prims import clamp, maximum, sqrt
 
@@ -40,13 +41,7 @@ def adopt_update(p, g, exp_avg, exp_avg_sq,
                  lr, one_minus_beta1, beta2, one_minus_beta2, eps, clip_low, clip_high, weight_decay,
                  decay_factor,
                  MAXIMIZE, WEIGHT_DECAY, DECOUPLED):
-    if MAXIMIZE:
-        g = -g
-    if WEIGHT_DECAY:
-        if DECOUPLED:
-            p = p * decay_factor
-        else:
-            g = g + weight_decay * p
+    p, g = maximize_and_decay(p, g, weight_decay, decay_factor, MAXIMIZE, WEIGHT_DECAY, DECOUPLED)
     # the first step's scalars (lr = 1 - b1 = clip = 0, eps = 1, decay 1, b2 = 1 - b2 = 1) leave p and m as they
     # were and add g^2 to v (0 before a first step; the authors add to what a rewound step count left there);
     # eps = 1 and the clip at 0 keep the unused quotient finite where v and eps are 0 or g is inf

@@ -15,15 +15,13 @@ import struct
 import torch
 
 from .base import Rule, _number, check_bool, check_nonnegative, nonzero, register
+from .common import maximize_and_decay
 
 
 def asgd_update(p, g, ax,
                 decay, eta, mu, keep, weight_decay,
                 MAXIMIZE, WEIGHT_DECAY):
-    if MAXIMIZE:
-        g = -g
-    if WEIGHT_DECAY:
-        g = g + weight_decay * p
+    p, g = maximize_and_decay(p, g, weight_decay, None, MAXIMIZE, WEIGHT_DECAY, DECOUPLED=False)
     p = p * decay
     p = p - eta * g
     # keep = 0 while mu = 1 (torch copies p into ax then): 0 + (p - 0) * 1 is p exactly

@@ -33,8 +33,9 @@ and the tests' hints.
 
 ``update`` receives every state in ``state_names`` order, ``None`` for the inactive ones, and returns them
 in the same order (inactive ones passed through). It uses arithmetic operators and ``prims`` only, on
-tensors: arithmetic among scalars alone (``1 - beta1``) belongs in ``scalars``, done once in double
-precision on the host as torch.optim does, so every level rounds the same numbers.
+tensors, itself or through the helpers of ``common`` (math several rules share, kept to the same contract):
+arithmetic among scalars alone (``1 - beta1``) belongs in ``scalars``, done once in double precision on the host
+as torch.optim does, so every level rounds the same numbers.
 """
 
 from __future__ import annotations

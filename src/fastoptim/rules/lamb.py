@@ -25,6 +25,7 @@ import math
 import torch
 
 from .base import Elementwise, PerTensor, Rule, _number, check_betas, check_bool, check_nonnegative, nonzero, register
+from .common import adam_moments
 from .prims import sqrt
 
 
@@ -35,8 +36,7 @@ def lamb_direction(p, g, exp_avg, exp_avg_sq, update,
     """Adam's bias-corrected direction, plus the weight decay, into ``update``."""
     if MAXIMIZE:
         g = -g
-    exp_avg = exp_avg + (g - exp_avg) * one_minus_beta1
-    exp_avg_sq = exp_avg_sq * beta2 + g * g * one_minus_beta2
+    exp_avg, exp_avg_sq = adam_moments(g, exp_avg, exp_avg_sq, one_minus_beta1, beta2, one_minus_beta2)
     update = (exp_avg / bias_correction1) / (sqrt(exp_avg_sq) / bias_correction2_sqrt + eps)
     if WEIGHT_DECAY:
         update = update + weight_decay * p

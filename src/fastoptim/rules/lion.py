@@ -9,16 +9,14 @@ r"""Lion, EvoLved Sign Momentum (Chen et al. 2023, "Symbolic Discovery of Optimi
 from __future__ import annotations
 
 from .base import Rule, nonzero, register, check_betas, check_bool, check_nonnegative
+from .common import maximize_and_decay
 from .prims import sign
 
 
 def lion_update(p, g, exp_avg,
                 lr, beta1, one_minus_beta1, beta2, one_minus_beta2, decay_factor,
                 MAXIMIZE, WEIGHT_DECAY):
-    if MAXIMIZE:
-        g = -g
-    if WEIGHT_DECAY:
-        p = p * decay_factor
+    p, g = maximize_and_decay(p, g, None, decay_factor, MAXIMIZE, WEIGHT_DECAY, DECOUPLED=True)
     p = p - lr * sign(exp_avg * beta1 + g * one_minus_beta1)
     exp_avg = exp_avg * beta2 + g * one_minus_beta2
     return p, exp_avg

@@ -17,6 +17,7 @@ import struct
 import torch
 
 from .base import Rule, check_betas, check_bool, check_nonnegative, nonzero, register
+from .common import adam_moments, maximize_and_decay
 from .prims import sqrt
 
 
@@ -24,15 +25,8 @@ def nadam_update(p, g, exp_avg, exp_avg_sq,
                  grad_step, avg_step, one_minus_beta1, beta2, one_minus_beta2, bias_correction2, eps,
                  weight_decay, decay_factor,
                  MAXIMIZE, WEIGHT_DECAY, DECOUPLED):
-    if MAXIMIZE:
-        g = -g
-    if WEIGHT_DECAY:
-        if DECOUPLED:
-            p = p * decay_factor
-        else:
-            g = g + weight_decay * p
-    exp_avg = exp_avg + (g - exp_avg) * one_minus_beta1
-    exp_avg_sq = exp_avg_sq * beta2 + g * g * one_minus_beta2
+    p, g = maximize_and_decay(p, g, weight_decay, decay_factor, MAXIMIZE, WEIGHT_DECAY, DECOUPLED)
+    exp_avg, exp_avg_sq = adam_moments(g, exp_avg, exp_avg_sq, one_minus_beta1, beta2, one_minus_beta2)
     denom = sqrt(exp_avg_sq / bias_correction2) + eps
     p = p - grad_step * (g / denom)
     p = p - avg_step * (exp_avg / denom)

@@ -14,6 +14,7 @@ Adaptive Learning Rate and Beyond"), torch.optim.RAdam's semantics.
 from __future__ import annotations
 
 from .base import Rule, check_betas, check_bool, check_nonnegative, nonzero, register
+from .common import adam_moments, maximize_and_decay
 from .prims import sqrt
 
 
@@ -21,15 +22,8 @@ def radam_update(p, g, exp_avg, exp_avg_sq,
                  step_size, one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay, decay_factor,
                  rectified, plain,
                  MAXIMIZE, WEIGHT_DECAY, DECOUPLED):
-    if MAXIMIZE:
-        g = -g
-    if WEIGHT_DECAY:
-        if DECOUPLED:
-            p = p * decay_factor
-        else:
-            g = g + weight_decay * p
-    exp_avg = exp_avg + (g - exp_avg) * one_minus_beta1
-    exp_avg_sq = exp_avg_sq * beta2 + g * g * one_minus_beta2
+    p, g = maximize_and_decay(p, g, weight_decay, decay_factor, MAXIMIZE, WEIGHT_DECAY, DECOUPLED)
+    exp_avg, exp_avg_sq = adam_moments(g, exp_avg, exp_avg_sq, one_minus_beta1, beta2, one_minus_beta2)
     # one source for both phases, chosen by the host per step: rectified = r_t sqrt(1 - b2^t) and plain = 0 once
     # rho_t > 5; before that rectified = 0 and plain = 1, which gives m exactly (and a divisor >= 1: no 0/0 at eps = 0)
     p = p - step_size * exp_avg * (rectified / (sqrt(exp_avg_sq) + eps + plain) + plain)

@@ -11,16 +11,14 @@ r"""RMSprop (Hinton 2012; centered variant Graves 2013), torch.optim.RMSprop's s
 from __future__ import annotations
 
 from .base import Rule, nonzero, check_bool, check_nonnegative, check_unit_interval, register
+from .common import maximize_and_decay
 from .prims import sqrt
 
 
 def rmsprop_update(p, g, square_avg, momentum_buffer, grad_avg,
                    lr, alpha, one_minus_alpha, eps, weight_decay, momentum,
                    MAXIMIZE, WEIGHT_DECAY, MOMENTUM, CENTERED):
-    if MAXIMIZE:
-        g = -g
-    if WEIGHT_DECAY:
-        g = g + weight_decay * p
+    p, g = maximize_and_decay(p, g, weight_decay, None, MAXIMIZE, WEIGHT_DECAY, DECOUPLED=False)
     square_avg = square_avg * alpha + g * g * one_minus_alpha
     if CENTERED:
         grad_avg = grad_avg + (g - grad_avg) * one_minus_alpha

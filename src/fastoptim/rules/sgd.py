@@ -13,15 +13,13 @@ from __future__ import annotations
 import torch
 
 from .base import Rule, _number, register, check_bool, check_nonnegative, nonzero
+from .common import maximize_and_decay
 
 
 def sgd_update(p, g, momentum_buffer,
                lr, momentum, weight_decay, buffer_decay, grad_weight,
                MAXIMIZE, WEIGHT_DECAY, MOMENTUM, NESTEROV):
-    if MAXIMIZE:
-        g = -g
-    if WEIGHT_DECAY:
-        g = g + weight_decay * p
+    p, g = maximize_and_decay(p, g, weight_decay, None, MAXIMIZE, WEIGHT_DECAY, DECOUPLED=False)
     if MOMENTUM:
         # first step: buffer_decay = 0 and grad_weight = 1 turn the zero-initialised buffer into g
         momentum_buffer = momentum_buffer * buffer_decay + g * grad_weight

@@ -34,6 +34,7 @@ import inspect
 import linecache
 import os
 import textwrap
+import types
 from functools import lru_cache
 from typing import Callable, Sequence
 
@@ -162,11 +163,21 @@ def _exec_source(source: str, filename: str, name: str, globs: dict) -> Callable
     return namespace[name]
 
 
+def _helpers(update: Callable, interpret: bool) -> dict:
+    """The twins of the plain functions ``update`` names (shared helpers, ``rules.common``): a jitted function
+    calls jitted ones only, and a helper's ``/`` must be rewritten as the update's is."""
+    prims = _prims(interpret)
+    return {name: triton_twin(value, interpret) for name in update.__code__.co_names
+            if name not in prims and isinstance(value := update.__globals__.get(name), types.FunctionType)}
+
+
 @lru_cache(maxsize=None)
 def triton_twin(update: Callable, interpret: bool = False):
     """The rule's ``update`` for Triton: its own source, primitives swapped for Triton's, ``/`` for IEEE
-    division (``twin_source``). The torch levels keep running the original."""
-    globs = {**update.__globals__, **_prims(interpret), "tl": tl}  # the interpreter patches the tl it finds
+    division (``twin_source``), each helper it calls a twin of its own. The torch levels keep running the
+    original."""
+    # tl too: the interpreter patches the tl it finds
+    globs = {**update.__globals__, **_helpers(update, interpret), **_prims(interpret), "tl": tl}
     filename = f"<fastoptim-twin {update.__module__}.{update.__qualname__}>"
     clone = _exec_source(twin_source(update), filename, update.__name__, globs)
     clone.__defaults__ = update.__defaults__
