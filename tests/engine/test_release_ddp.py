@@ -28,10 +28,10 @@ def _model():
                                torch.nn.Linear(32, 4))
 
 
-def _train(release, view, steps=3, group=None, rank=0, net=None):
-    """Each step: a no_sync micro-batch, a synced one under opt.accumulating() (reduced, not stepped), then the
-    synced one that steps. Returns the params and the grads left after each stepping backward. ``group``: DDP's
-    process group (None: the default one); each rank draws its own data."""
+def _train(release, view, steps=3, group=None, rank=0, net=None, accumulate=True):
+    """Each step: a no_sync micro-batch, a synced one under opt.accumulating() (reduced, not stepped; not where
+    ``accumulate`` is False), then the synced one that steps. Returns the params and the grads left after each
+    stepping backward. ``group``: DDP's process group (None: the default one); each rank draws its own data."""
     net = _model() if net is None else net
     opt = AdamW(net.parameters(), lr=1e-2, gradient_release=release)
     ddp = DistributedDataParallel(net, process_group=group, bucket_cap_mb=0.002, gradient_as_bucket_view=view)
@@ -42,8 +42,9 @@ def _train(release, view, steps=3, group=None, rank=0, net=None):
     for _ in range(steps):
         with ddp.no_sync():
             ddp(torch.randn(4, 16, generator=g)).pow(2).mean().backward()
-        with opt.accumulating():
-            ddp(torch.randn(4, 16, generator=g)).pow(2).mean().backward()
+        if accumulate:
+            with opt.accumulating():
+                ddp(torch.randn(4, 16, generator=g)).pow(2).mean().backward()
         ddp(torch.randn(4, 16, generator=g)).pow(2).mean().backward()
         left.append([p.grad is not None for p in net.parameters()])
         opt.step()
@@ -84,24 +85,9 @@ class _Checkpointed(torch.nn.Module):
 def test_ddp_release_under_activation_checkpointing(one_rank, view, reentrant):
     # reentrant: DDP's buckets fill inside the segments' backwards (graph tasks inside the outer one), and the last
     # one where DDP queues its end-of-backward callback: each bucket steps once, after DDP wrote back, no grad left
-    def train(release):
-        net = _Checkpointed(reentrant)
-        opt = AdamW(net.parameters(), lr=1e-2, gradient_release=release)
-        ddp = DistributedDataParallel(net, bucket_cap_mb=0.002, gradient_as_bucket_view=view)
-        if release:
-            opt.release_with(ddp)
-        g = torch.Generator().manual_seed(1)
-        left = []
-        for _ in range(3):  # (DDP rebuilds its buckets after the first)
-            with ddp.no_sync():
-                ddp(torch.randn(4, 16, generator=g)).pow(2).mean().backward()
-            ddp(torch.randn(4, 16, generator=g)).pow(2).mean().backward()
-            left.append([p.grad is not None for p in net.parameters()])
-            opt.step()
-            opt.zero_grad()
-        return [p.detach() for p in net.parameters()], left, opt
-    reference, _, _ = train(False)
-    params, left, opt = train(True)
+    # (three steps: DDP rebuilds its buckets after the first)
+    reference, _, _ = _train(False, view, net=_Checkpointed(reentrant), accumulate=False)
+    params, left, opt = _train(True, view, net=_Checkpointed(reentrant), accumulate=False)
     assert all(torch.equal(a, b) for a, b in zip(params, reference, strict=True))
     assert left == [[False] * 10] * 3
     assert opt._release.ddp.buckets_stepped > 3
