@@ -146,10 +146,15 @@ def _on_ranks(run, world):
             errors.append(e)
 
     threads = [threading.Thread(target=rank_main, args=(rank,), daemon=True) for rank in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=120)
+    active = DistributedDataParallel._active_ddp_module
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+    finally:  # DDP's forward saves and restores one class-wide "active module": threads interleaving their forwards
+        # can leave another rank's set, and torch.compile then compiles every later graph for DDP
+        DistributedDataParallel._active_ddp_module = active
     if errors:
         raise errors[0]
     assert not any(t.is_alive() for t in threads), "a rank hung"
