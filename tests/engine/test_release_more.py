@@ -187,3 +187,42 @@ def test_ddp_tie_refuses_a_second_backward_before_the_step():
         assert all(torch.equal(x, y) for x, y in zip(*results))
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("impl", ["loop", "foreach"])
+def test_a_released_backward_with_create_graph_steps_as_the_ordinary_loop(impl):
+    """``backward(create_graph=True)`` runs the hooks with grad mode on: a released bucket still steps under
+    no_grad, as ``opt.step()`` does, to the same bits."""
+    def run(gradient_release):
+        torch.manual_seed(0)
+        p = torch.nn.Parameter(torch.randn(16, 16))
+        opt = AdamW([p], lr=1e-2, impl=impl, gradient_release=gradient_release)
+        for _ in range(2):
+            (p.tanh() ** 2).sum().backward(create_graph=True)
+            opt.step()
+            opt.zero_grad()
+        return p.detach(), opt.state[p]["step"]
+
+    (released, count), (ordinary, ordinary_count) = run(True), run(False)
+    assert torch.equal(released, ordinary) and count == ordinary_count == 2
+
+
+def test_a_bad_state_in_a_new_mapping_is_refused_before_any_bucket_steps():
+    """The states are checked as a released backward starts; a mapping put in whole (``opt.state = ...``) counts
+    its changes from its own start, so its check is never taken for one already done."""
+    torch.manual_seed(0)
+    w, b, head = (torch.nn.Parameter(torch.randn(*s)) for s in ((64, 64), (64,), (8, 64)))
+    opt = AdamW([w, b, head], lr=1e-2, gradient_release=True, release_bucket_mb=0.001)
+
+    def loss():
+        return ((torch.tanh(torch.ones(2, 64) @ w + b) @ head.t()) ** 2).mean()
+
+    loss().backward()
+    opt.step()
+    states = {p: dict(s) for p, s in opt.state.items()}
+    states[w]["exp_avg"] = torch.zeros(3)  # the param whose grad comes last
+    opt.state = states
+    before = [p.detach().clone() for p in (w, b, head)]
+    with pytest.raises(ValueError, match="exp_avg"):
+        loss().backward()
+    assert all(torch.equal(p, q) for p, q in zip((w, b, head), before))

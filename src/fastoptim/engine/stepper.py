@@ -70,7 +70,7 @@ class Stepper:
         self.name = type(owner).__name__  # (in messages)
         self.rule = rule
         self.settings = settings
-        self.state = state
+        self._state = state
         self.flat_buckets: list[list[FlatBucket]] = [] if flat_buckets is None else flat_buckets  # per group
         self.plans: dict = {}  # per group, and per released set of params: the last step's, reused while they fit
         self.pending_skips: list[tuple] = []  # (found_inf flag, event, what a skip takes back)
@@ -79,6 +79,16 @@ class Stepper:
         self.planned_by: dict[int, object] = {}  # id(param) -> the key of the plan that last stepped it
         self.places: dict[int, tuple[int, int]] = {}  # id(param) -> (group index, position), checked at each use
         self.states_checked: int | None = None  # the state map's version ``check_groups`` last saw
+
+    @property
+    def state(self) -> StateMap:
+        return self._state
+
+    @state.setter
+    def state(self, value: StateMap) -> None:
+        """A new mapping (``opt.state = ...``, a load): its version counts from its own start."""
+        self._state = value
+        self.states_checked = None
 
     @property
     def groups(self) -> list[dict]:
@@ -95,6 +105,7 @@ class Stepper:
         work = [self.collect(index, group) for index, group in enumerate(self.groups)]  # validates
         self._run(work, keys=[w.index for w in work], found_inf=found_inf, grad_scale=grad_scale, grad_mul=grad_mul)
 
+    @torch.no_grad()  # (called from inside backward, where grad mode is ``create_graph``'s)
     def step_params(self, params: list[Tensor], *, grad_mul: Tensor | None = None) -> list[Tensor]:
         """``params`` alone (a released bucket), as ``step`` steps them; returns those stepped (a param no group
         holds any more is left out, its grad kept)."""
@@ -371,7 +382,7 @@ class Stepper:
         if flat is not None:
             bits, min_quant_size, _ = self.settings.storage_of(group)
 
-            def kept_apart(p):  # a state not kept as one tensor is no view of a flat buffer (``plan._build_flat``)
+            def kept_apart(p):  # a state not kept as one tensor is no view of a flat buffer (``buckets._build_flat``)
                 fmt = storage.format_for(p, "", bits, min_quant_size, frozenset())
                 return storage.codecs.of(fmt).tensor_dtype(p.dtype) is None
             self.flat_buckets.append([FlatBucket(ps, first=kept_apart) for ps in flat])

@@ -51,8 +51,10 @@ class Staged(Path):
                     staged.append((state, temp))
                     temps.append(temp)
             states.append(temps)
+        # (fp32 temporaries of 16-bit params need no count of their writes, and are not kept for it: rounding
+        # them back into the params counts)
         ctx.run_plain(Bucket(params, grads, states, part.cache.setdefault("staged", {}), part.sharded, transient=True),
-                      ctx.but(found_inf=None))
+                      ctx.but(found_inf=None, written=[] if fp32 else ctx.written))
         for state, temp in staged:
             storage.store(state, temp)
         if fp32:
