@@ -1,5 +1,5 @@
-"""The walk of one steady step through fastoptim's modules: every call from one of its modules into another,
-counted with ``sys.setprofile``, and the modules entered. An AdamW at 8-bit state on a small model (an embedding,
+"""The walk of one steady step through fastoptim's modules: every call from one of its modules into another
+(torch's frames between them skipped), counted with ``sys.setprofile``, and the modules entered. An AdamW at 8-bit state on a small model (an embedding,
 two linear layers, a norm), after three steps (its plans made, its kernels built). ``--release`` walks one
 backward with ``gradient_release=True`` instead, whose one bucket steps at its end.
 
@@ -22,6 +22,15 @@ def module_of(frame) -> str | None:
     return path.split("fastoptim/", 1)[1] if "/fastoptim/" in path and "/tools/" not in path else None
 
 
+def caller_module(frame) -> str | None:
+    """The nearest fastoptim module up the stack (past torch's frames between them: a ``no_grad`` decorator, the
+    autograd engine's hooks), or None."""
+    frame = frame.f_back
+    while frame is not None and module_of(frame) is None:
+        frame = frame.f_back
+    return None if frame is None else module_of(frame)
+
+
 def walk(release: bool) -> tuple[list[str], set[str]]:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Embedding(1000, 64), torch.nn.Linear(64, 128), torch.nn.LayerNorm(128),
@@ -42,7 +51,7 @@ def walk(release: bool) -> tuple[list[str], set[str]]:
         if event != "call" or (callee := module_of(frame)) is None:
             return
         modules.add(callee)
-        caller = module_of(frame.f_back) if frame.f_back is not None else None
+        caller = caller_module(frame)
         if caller != callee:
             calls.append(f"{caller} -> {callee}: {frame.f_code.co_name}")
 
