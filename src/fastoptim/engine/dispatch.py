@@ -196,7 +196,7 @@ def _inf_found(ctx: StepContext) -> bool:
 def _run(path: Path, part: Bucket, ctx: StepContext) -> list[int] | None:
     if ctx.grad_mul is not None and not path.takes_grad_mul_of(ctx):
         part = Bucket(part.params, scaled_grads(part.grads, ctx.grad_mul), part.states, part.cache, part.sharded,
-                      part.pools, part.transient)
+                      part.transient)
         ctx = ctx.but(grad_mul=None)
     if path.records:
         took(path.name)
@@ -234,8 +234,7 @@ def run_plan(*, impl: str, rule, step_plan: Plan, group: dict, grads: list[Tenso
 
     for bucket in step_plan.buckets:
         part = Bucket(bucket.params, bucket.grads(grads), bucket.states, bucket.cache,
-                      bucket.owners if rule.stages and bucket.convert else None,
-                      pools=bucket.head.pool_buffers() if bucket.head is not None else ())
+                      bucket.owners if rule.stages and bucket.convert else None)
         dtype = bucket.params[0].dtype
         rounded = storage.rounding.rounds_in_fp32(dtype, rounding)
         if bucket.staged is None:  # plain formats are checked to be the param's dtype: never staged

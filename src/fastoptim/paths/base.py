@@ -29,9 +29,6 @@ class Bucket:
     # the DTensors whose local shards ``params`` are (None: every param is whole here): per-tensor stages gather
     # each whole tensor on one rank (``sharded``); elementwise math runs on the shards as they are
     sharded: list | None = None
-    # flat mode's buffers that many of the states are views of (``storage.pooled``): a kernel's table watches each
-    # such storage once (they move whole), every other state tensor on its own
-    pools: tuple = ()
     # its params or states are new tensors each step (the staged path's temporaries), in the same layouts: a part
     # keeps its cache across steps (``subset``), but not its lists of params and states
     transient: bool = False
@@ -54,12 +51,12 @@ def subset(bucket: Bucket, indices: list[int], cache: dict | None = None) -> Buc
     if cache is None or bucket.transient:
         return Bucket([bucket.params[i] for i in indices], [bucket.grads[i] for i in indices],
                       [None if s is None else [s[i] for i in indices] for s in bucket.states],
-                      {} if cache is None else cache, pools=bucket.pools, transient=bucket.transient)
+                      {} if cache is None else cache, transient=bucket.transient)
     members = cache.get("subset_members")
     if members is None:
         members = cache["subset_members"] = ([bucket.params[i] for i in indices],
                                              [None if s is None else [s[i] for i in indices] for s in bucket.states])
-    return Bucket(members[0], [bucket.grads[i] for i in indices], members[1], cache, pools=bucket.pools)
+    return Bucket(members[0], [bucket.grads[i] for i in indices], members[1], cache)
 
 
 @dataclass

@@ -263,7 +263,7 @@ class Table:
         self.formats = formats
         fmt = next(f for f in formats if f is not None)
         walk = codecs.of(fmt).walk  # (rows, length, blocks): the codec's (``signature``: one codec per param)
-        rows_table, first, self.state_tensors = [], 0, []
+        rows_table, first, self.state_tensors = [], 0, []  # (held: the table keeps their addresses)
         for i, (p, g) in enumerate(zip(params, grads)):
             rows, length, blocks = walk(p, fmt)
             row = [first, rows, length, p.data_ptr(), g.data_ptr()]
