@@ -1,7 +1,8 @@
-"""Run under torchrun (train_runs.py runs it first, for test_distributed.py): fastoptim under FSDP2 and ZeRO-1
-on CPU (gloo) must train exactly like a single process given the same data on every rank, and gradient release
-under FSDP2 exactly like FSDP2 without it. Writes the max differences as JSON. ``levels`` narrows the levels checked: the default test run leaves the compiled level,
-whose cold Inductor builds in both ranks are much of the launch, to the full run."""
+"""Run under torchrun (train_runs.py runs it first, for test_distributed.py): fastoptim under FSDP2 (HSDP's 2-D
+meshes too) and ZeRO-1 on CPU (gloo) must train exactly like a single process given the same data on every rank,
+and gradient release under FSDP2 exactly like FSDP2 without it (``--hsdp``: the four-rank checks alone). Writes
+the max differences as JSON. ``levels`` narrows the levels checked: the default test run leaves the compiled
+level, whose cold Inductor builds in both ranks are much of the launch, to the full run."""
 
 import json
 import sys
@@ -46,11 +47,75 @@ def muon(net, **kwargs):
     return fastoptim.Muon([p for p in net.parameters() if p.requires_grad], lr=0.02, **kwargs)
 
 
+class Experts(torch.nn.Module):
+    """E matrices in one (E, out, in) param, each applied to the input, their outputs averaged."""
+
+    def __init__(self, experts, out, inputs):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(experts, out, inputs) / inputs ** 0.5)
+
+    def forward(self, x):
+        return torch.einsum("eoi,bi->bo", self.weight, x) / self.weight.shape[0]
+
+
+def experts_model(linear=True):
+    """Two stacks of experts: 3 (rows 2 + 1 over 2 ranks) and 1 (rank 1's shard empty); with ``linear`` the
+    Linear weights train too (matrices gathered whole beside them)."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(16, 12), Experts(3, 12, 12), torch.nn.Tanh(), Experts(1, 8, 12),
+                              torch.nn.Linear(8, 4))
+    for p in net.parameters():
+        p.requires_grad_(p.dim() == 3 or (linear and p.dim() == 2))
+    return net
+
+
+class CountingAllToAll:
+    """Counts the calls of dist.all_to_all_single while entered (the exchange of ``paths.sharded``; FSDP2 does
+    not call it)."""
+
+    def __enter__(self):
+        self.real, self.calls = dist.all_to_all_single, 0
+
+        def counting(*args, **kwargs):
+            self.calls += 1
+            return self.real(*args, **kwargs)
+
+        dist.all_to_all_single = counting
+        return self
+
+    def __exit__(self, *exc):
+        dist.all_to_all_single = self.real
+
+
 def max_diff(params, reference):
     return max((a.float() - b.float()).abs().max().item() for a, b in zip(params, reference))
 
 
 LEVELS = ("loop", "foreach", "fused", "compiled")
+
+
+def gathered(value):
+    """``value`` from every rank, in rank order."""
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
+
+
+def ns_calls(net, opt):
+    """Each rank's Newton-Schulz calls over one step, by rank: the shape of every matrix it orthogonalised."""
+    from fastoptim.rules import muon as muon_rule
+    real, seen = muon_rule.newton_schulz, []
+
+    def counting(x, *args):
+        seen.extend([tuple(x.shape[1:])] * x.shape[0])
+        return real(x, *args)
+
+    muon_rule.newton_schulz = counting
+    try:
+        train(net, opt, steps=1)
+    finally:
+        muon_rule.newton_schulz = real
+    return gathered(sorted(seen))
 
 
 def muon_checks(result, levels=LEVELS):
@@ -71,25 +136,9 @@ def muon_checks(result, levels=LEVELS):
     net = shard(muon_model(biases=True))
     result["muon recipe fsdp2"] = max_diff(train(net, fastoptim.create(net, "muon", lr=0.02, adamw_lr=1e-2)),
                                            reference)
-    # each rank's Newton-Schulz calls: the shape of every matrix it orthogonalised, over one step
-    from fastoptim.rules import muon as muon_rule
-    real, seen = muon_rule.newton_schulz, []
-
-    def counting(x, *args):
-        seen.extend([tuple(x.shape[1:])] * x.shape[0])
-        return real(x, *args)
-
-    muon_rule.newton_schulz = counting
-    try:
-        for impl in ("loop", "fused"):
-            seen.clear()
-            net = shard(muon_model())
-            train(net, muon(net, impl=impl), steps=1)
-            ranks = [None] * dist.get_world_size()
-            dist.all_gather_object(ranks, sorted(seen))
-            result[f"muon ns calls {impl}"] = ranks
-    finally:
-        muon_rule.newton_schulz = real
+    for impl in ("loop", "fused"):
+        net = shard(muon_model())
+        result[f"muon ns calls {impl}"] = ns_calls(net, muon(net, impl=impl))
     def vectors(net):  # Adafactor's per-tensor step on 1-D params: its states are param-shaped, gathered as they are
         for p in net.parameters():
             p.requires_grad_(p.dim() == 1)
@@ -134,6 +183,85 @@ def muon_checks(result, levels=LEVELS):
         result["muon shard(1) refused"] = ""
     except NotImplementedError as e:
         result["muon shard(1) refused"] = str(e)
+
+
+def local_rows_checks(result, mesh=None, label=""):
+    """A per-tensor stage that declares ``local_rows`` for (E, M, N) params (slice_rule.py's, per matrix): under
+    FSDP2 each rank steps its own experts, with no all_to_all, against one process; the 2-D weights beside them
+    are gathered (two exchanges a step); with the rule's ``whole`` flag the declaration says no and the experts
+    are gathered too. ``label`` names the mesh."""
+    import slice_rule
+    steps = 3
+    for linear, whole in [(False, False), (True, False), (False, True)]:
+        case = f"slices{label} linear={linear} whole={whole}"
+        single = experts_model(linear)
+        reference = train(single, slice_rule.SliceNorm([p for p in single.parameters() if p.requires_grad],
+                                                       lr=0.02, whole=whole, impl="fused"), steps=steps)
+        for impl in ("loop", "fused"):
+            net = shard(experts_model(linear), mesh)
+            opt = slice_rule.SliceNorm([p for p in net.parameters() if p.requires_grad], lr=0.02, whole=whole,
+                                       impl=impl)
+            slice_rule.CALLS.clear()
+            with CountingAllToAll() as counted:
+                params = train(net, opt, steps=steps)
+            result[f"{case} {impl}"] = dict(diff=max_diff(params, reference), exchanges=counted.calls / steps,
+                                            calls=gathered(sorted(slice_rule.CALLS[:len(slice_rule.CALLS) // steps])))
+
+
+def hsdp_checks(result, shapes, slices=True):
+    """Muon under HSDP (fully_shard on a 2-D mesh of each shape in ``shapes``, (replicate, shard)) against one
+    process, with fp32 Newton-Schulz, 32- and 8-bit momentum; which rank orthogonalised which matrix; the
+    local_rows checks on each mesh (with ``slices``); where both mesh dims have several ranks, a param sharded
+    over the first, and the layouts that split a param more than by rows over one mesh dim, refused; and a mesh
+    whose ranks descend refused."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor, init_device_mesh
+    fp32 = dict(ns_dtype="float32")
+    cases = [("loop", {}), ("fused", {}), ("fused 8-bit", dict(state_bits=8, min_quant_size=0))]
+    references = {}
+    for name, low in cases:
+        single = muon_model()
+        references[name] = train(single, muon(single, impl=name.split()[0], **fp32, **low))
+    # a mesh whose coordinates run against its group's ranks: the exchange refuses it, on every rank
+    from torch.distributed.device_mesh import DeviceMesh
+    from fastoptim.paths import sharded
+    backwards = DeviceMesh("cpu", list(reversed(range(dist.get_world_size()))))
+    try:
+        sharded._check_rank(backwards, 0, backwards.get_group(0))
+        message = ""
+    except NotImplementedError as e:
+        message = str(e)
+    result["reversed mesh refused"] = gathered(message)
+    for shape in shapes:
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
+        label = f" hsdp {shape[0]}x{shape[1]}"
+        for name, low in cases:
+            net = shard(muon_model(), mesh)
+            with CountingAllToAll() as counted:
+                params = train(net, muon(net, impl=name.split()[0], **fp32, **low))
+            result[f"muon{label} {name}"] = dict(diff=max_diff(params, references[name]), exchanges=counted.calls)
+        net = shard(muon_model(), mesh)
+        result[f"muon{label} ns calls"] = ns_calls(net, muon(net, impl="fused", **fp32))
+        if slices:
+            local_rows_checks(result, mesh, label)
+        if min(shape) > 1:  # dim 0 split over the mesh's first dim, replicated over its second
+            single = torch.nn.Parameter(torch.randn(33, 16, generator=torch.Generator().manual_seed(2)))
+            split = torch.nn.Parameter(distribute_tensor(single.detach().clone(), mesh, [Shard(0), Replicate()]))
+            for p in (single, split):
+                opt = fastoptim.Muon([p], lr=0.02, **fp32)
+                for step in range(3):
+                    grad = torch.randn(33, 16, generator=torch.Generator().manual_seed(3 + step))
+                    p.grad = distribute_tensor(grad, mesh, [Shard(0), Replicate()]) if p is split else grad
+                    opt.step()
+            result[f"muon{label} (Shard(0), Replicate())"] = max_diff([split.full_tensor()], [single.detach()])
+        # (on a mesh dim of one rank, Shard(1) splits nothing: accepted there)
+        for placements in [(Replicate(), Shard(1))] + ([(Shard(0), Shard(1)), (Shard(0), Shard(0))]
+                                                       if min(shape) > 1 else []):
+            p = torch.nn.Parameter(distribute_tensor(torch.randn(8, 6), mesh, list(placements)))
+            try:
+                fastoptim.Muon([p])
+                result[f"muon{label} {placements} refused"] = ""
+            except NotImplementedError as e:
+                result[f"muon{label} {placements} refused"] = str(e)
 
 
 def release_checks(result):
@@ -245,11 +373,13 @@ def ddp_release_checks(result):
         result["ddp release param outside the model refused"] = str(e)
 
 
-def shard(net):
+def shard(net, mesh=None):
+    """fully_shard each layer with params and the root, on ``mesh`` (None: FSDP2's 1-D mesh of every rank; 2-D:
+    HSDP, replicated over dim 0 and sharded over dim 1)."""
     for layer in net:
-        if isinstance(layer, torch.nn.Linear):
-            fully_shard(layer)
-    fully_shard(net)
+        if isinstance(layer, (torch.nn.Linear, Experts)):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(net, mesh=mesh)
     return net
 
 
@@ -318,8 +448,23 @@ def main(out_path, levels=LEVELS):
             result[f"fsdp2 {impl} bf16 {rounding}"] = max((a.float() - b.float()).abs().max().item()
                                                           for a, b in zip(params, reference))
     muon_checks(result, levels)
+    local_rows_checks(result)
+    hsdp_checks(result, [(1, 2), (2, 1)], slices=False)  # (the 2-D meshes' local_rows checks: hsdp_main's)
     release_checks(result)
     ddp_release_checks(result)
+    if dist.get_rank() == 0:
+        with open(out_path, "w") as f:
+            json.dump(result, f)
+    dist.destroy_process_group()
+
+
+def hsdp_main(out_path):
+    """Four ranks (test_distributed.py's full run): HSDP on a (2, 2) mesh, and the local_rows checks on FSDP2's
+    1-D mesh of four and on that 2-D mesh."""
+    dist.init_process_group("gloo")
+    result = {}
+    local_rows_checks(result)
+    hsdp_checks(result, [(2, 2)])
     if dist.get_rank() == 0:
         with open(out_path, "w") as f:
             json.dump(result, f)
@@ -340,5 +485,7 @@ def ddp_release_main(out_path):
 if __name__ == "__main__":
     if sys.argv[1] == "--ddp-release":
         ddp_release_main(sys.argv[2])
+    elif sys.argv[1] == "--hsdp":
+        hsdp_main(sys.argv[2])
     else:
         main(sys.argv[1])

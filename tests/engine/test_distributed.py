@@ -1,14 +1,15 @@
-"""torch.distributed with fastoptim, two processes on this CPU (gloo): FSDP2 and ZeRO-1 train exactly like one
-process, gradient release under FSDP2 exactly like the step after backward (DDP's is refused), `fastoptim train
---ddp` and `--fsdp` run under torchrun and resume bit-identically, and the README's distributed command runs to
-the end.
+"""torch.distributed with fastoptim, two processes on this CPU (gloo): FSDP2 (HSDP's 2-D meshes too) and ZeRO-1
+train exactly like one process, gradient release under FSDP2 exactly like the step after backward (DDP's is
+refused), `fastoptim train --ddp` and `--fsdp` run under torchrun and resume bit-identically, and the README's
+distributed command runs to the end. Four processes (the full run's): HSDP on a (2, 2) mesh.
 
 Starting a torchrun launch (torchrun and each rank import torch) costs far more than these tiny runs, so the
 tests share launches: three of train_runs.py run dist_worker.py's parity checks and the `fastoptim train` runs
 (the checks, the straight runs and first halves; then the second halves, in new processes; then the one-process
 resume). They run once per session, also when pytest-xdist spreads the tests over several workers. The README's
 command is launched as the README gives it. The default test run launches the checks alone, without the compiled
-level; the `fastoptim train` runs and the compiled level's checks are the full run's (``slow``)."""
+level; the `fastoptim train` runs, the compiled level's checks and the four-rank launch are the full run's
+(``slow``)."""
 
 import json
 import os
@@ -151,7 +152,101 @@ def test_fsdp2_adafactor_refuses_factored_states_of_sharded_params(dist_results)
 
 def test_muon_refuses_params_sharded_other_than_by_rows(dist_results):
     message = dist_results["muon shard(1) refused"]
-    assert "Shard(dim=1)" in message and "Shard(0) on a 1-D mesh" in message, message
+    assert "(Shard(dim=1),)" in message and "Shard(0) on one mesh dim" in message, message
+    message = dist_results["muon hsdp 1x2 (Replicate(), Shard(dim=1)) refused"]
+    assert "(Replicate(), Shard(dim=1))" in message and "(1, 2)" in message, message
+    # a mesh dim of one rank splits nothing: Shard(1) over it leaves each rank the whole param
+    assert dist_results["muon hsdp 2x1 (Replicate(), Shard(dim=1)) refused"] == ""
+
+
+def test_the_exchange_refuses_a_mesh_whose_ranks_descend(dist_results):
+    """DTensor places rows by mesh coordinate, all_to_all by rank in the group: on every rank of a mesh where the
+    two disagree, an error rather than rows sent to the wrong rank (or a rank left waiting)."""
+    for message in dist_results["reversed mesh refused"]:  # each rank's
+        assert "[1, 0]" in message and "init_device_mesh" in message, message
+
+
+MUON_HSDP = ["loop", "fused", "fused 8-bit"]
+
+
+@pytest.mark.parametrize("case", MUON_HSDP)
+@pytest.mark.parametrize("mesh", ["1x2", "2x1"])
+def test_fsdp2_muon_on_a_2d_mesh_matches_one_process(dist_results, mesh, case):
+    """HSDP (fully_shard on a (replicate, shard) mesh), fp32 Newton-Schulz: the matrices are gathered over the
+    shard dim's ranks alone, two all_to_all a step (4 steps); over a shard dim of one rank each holds them whole
+    and none is needed."""
+    result = dist_results[f"muon hsdp {mesh} {case}"]
+    assert result["diff"] <= 1e-6, result
+    assert result["exchanges"] == (8 if mesh == "1x2" else 0), result
+
+
+def test_fsdp2_muon_on_a_2d_mesh_orthogonalises_each_matrix_once_per_replica(dist_results):
+    assert dist_results["muon hsdp 1x2 ns calls"] == dist_results["muon ns calls fused"]
+    everything = sorted(shape for rank in dist_results["muon ns calls fused"] for shape in rank)
+    assert dist_results["muon hsdp 2x1 ns calls"] == [everything, everything]
+
+
+EXPERTS = [(3, 12, 12), (1, 8, 12)]  # dist_worker.experts_model's stacks
+
+
+def expert_calls(shard_ranks: int, replicas: int = 1) -> list:
+    """Each rank's batches of the local_rows stage over one step where only the stacks train: its own rows of
+    each stack (none: no call), by rank."""
+    from fastoptim.paths.sharded import row_split
+    per_shard = [sorted([1, rows, *shape[1:]] for shape in EXPERTS
+                        if (rows := row_split(shape[0], shard_ranks)[r])) for r in range(shard_ranks)]
+    return per_shard * replicas
+
+
+@pytest.mark.parametrize("impl", ["loop", "fused"])
+def test_a_stage_declaring_local_rows_steps_each_ranks_own_experts_with_no_exchange(dist_results, impl):
+    """slice_rule.py's stage, per matrix of an (E, M, N) param: each rank steps its own experts (2 + 1 rows of
+    one stack, 1 + 0 of the other: rank 1 has nothing of it to step), as one process does, with no all_to_all.
+    The Linear weights beside them are gathered (two all_to_all a step), and with the rule's ``whole`` flag the
+    declaration says no, so the stacks are gathered whole on their owners."""
+    alone, mixed, whole = (dist_results[f"slices linear={linear} whole={w} {impl}"]
+                           for linear, w in [(False, False), (True, False), (False, True)])
+    assert alone["diff"] == mixed["diff"] == whole["diff"] == 0.0, (alone, mixed, whole)
+    assert alone["exchanges"] == 0 and mixed["exchanges"] == 2 and whole["exchanges"] == 2
+    assert alone["calls"] == expert_calls(2)
+    assert sorted(shape for rank in whole["calls"] for shape in rank) == [[1, 1, 8, 12], [1, 3, 12, 12]]
+
+
+def test_stages_declaring_local_rows_give_on_row_slices_what_they_give_whole():
+    """The declaration must hold: on every shape it claims, the stage on each part of a tensor's dim-0 slices
+    gives what it gives on the whole tensor, there. Every registered rule's stages that declare it, and
+    slice_rule.py's."""
+    import slice_rule
+    from fastoptim.rules.base import RULES, PerTensor
+    rules = [rule for _, rule in sorted(RULES.items())] + [slice_rule.RULE]
+    checked = 0
+    g = torch.Generator().manual_seed(0)
+    for rule in rules:
+        for opts in ({},) + tuple(rule.option_sets) + ((dict(whole=True),) if rule is slice_rule.RULE else ()):
+            group = {**rule.defaults, **opts}
+            own = rule.for_group(group)
+            for stage in own.stages:
+                if not isinstance(stage, PerTensor) or stage.local_rows is None:
+                    continue
+                scalars, flags = own.scalars(group, 3, *own.host_start(group)), own.flags(group)
+                for shape in [(3, 4, 5), (2, 6, 3), (5, 3, 3), (4, 5), (6,)]:
+                    if not stage.local_rows(shape, flags):
+                        continue
+                    batch = [torch.randn((2, *shape), generator=g) for _ in stage.reads]
+                    whole = _written(stage, [t.clone() for t in batch], scalars, flags)
+                    for cut in range(1, shape[0]):
+                        parts = [_written(stage, [t[:, rows].clone() for t in batch], scalars, flags)
+                                 for rows in (slice(None, cut), slice(cut, None))]
+                        for k, out in enumerate(whole):
+                            torch.testing.assert_close(torch.cat([part[k] for part in parts], dim=1), out,
+                                                       rtol=1e-6, atol=1e-7)
+                    checked += 1
+    assert checked >= 3  # slice_rule's (E, M, N) shapes at least
+
+
+def _written(stage, args, scalars, flags):
+    out = stage.fn(*args, *scalars, *flags)
+    return [args[stage.reads.index(name)] for name in stage.writes] if stage.in_place else out
 
 
 @pytest.mark.parametrize("label", ["adamw fused", "adamw fused 8-bit", "muon fused", "adafactor fused",
@@ -239,6 +334,46 @@ def test_ddp_release_without_the_tie_is_refused_before_anything_steps(dist_resul
     assert dist_results["ddp release untied unchanged"] == 0.0
     message = dist_results["ddp release param outside the model refused"]  # tied, but this param's grad is local
     assert "tied to a DDP model" in message and "outside that model" in message, message
+
+
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory):
+    """dist_worker.py --hsdp on four ranks, launched once (the full run's)."""
+    folder = once(tmp_path_factory, "hsdp4", lambda root: launch("dist_worker.py", "--hsdp", root / "out.json",
+                                                                 nproc=4))
+    return json.loads((folder / "out.json").read_text())
+
+
+@pytest.mark.slow
+def test_fsdp2_muon_on_a_2x2_mesh_matches_one_process(four_ranks):
+    """HSDP on four ranks, (replicate 2, shard 2): each replica gathers over its own two ranks (two all_to_all a
+    step, 4 steps) and orthogonalises every matrix once, as the other replica does; a param sharded over the
+    mesh's first dim instead, (Shard(0), Replicate()), steps as one process too."""
+    for case in MUON_HSDP:
+        result = four_ranks[f"muon hsdp 2x2 {case}"]
+        assert result["diff"] <= 1e-6 and result["exchanges"] == 8, (case, result)
+    ranks = four_ranks["muon hsdp 2x2 ns calls"]
+    assert ranks[:2] == ranks[2:] == [[[33, 16]], [[1, 8], [8, 8], [8, 8], [8, 33]]]
+    assert four_ranks["muon hsdp 2x2 (Shard(0), Replicate())"] <= 1e-6
+
+
+@pytest.mark.slow
+def test_muon_on_a_2x2_mesh_refuses_params_split_twice_or_by_columns(four_ranks):
+    for placements in ["(Replicate(), Shard(dim=1))", "(Shard(dim=0), Shard(dim=1))", "(Shard(dim=0), Shard(dim=0))"]:
+        message = four_ranks[f"muon hsdp 2x2 {placements} refused"]
+        assert placements in message and "(2, 2)" in message, message
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh", ["", " hsdp 2x2"])
+def test_a_stage_declaring_local_rows_needs_no_exchange_on_four_ranks(four_ranks, mesh):
+    """On FSDP2's 1-D mesh of four (stacks of 3 and 1 experts: rank 3 holds none) and on HSDP's (2, 2)."""
+    for impl in ("loop", "fused"):
+        alone, mixed, whole = (four_ranks[f"slices{mesh} linear={linear} whole={w} {impl}"]
+                               for linear, w in [(False, False), (True, False), (False, True)])
+        assert alone["diff"] == mixed["diff"] == whole["diff"] == 0.0, (alone, mixed, whole)
+        assert (alone["exchanges"], mixed["exchanges"], whole["exchanges"]) == (0, 2, 2)
+        assert alone["calls"] == (expert_calls(2, replicas=2) if mesh else expert_calls(4))
 
 
 def test_row_split_is_torch_chunk_and_owners_balance_the_work():

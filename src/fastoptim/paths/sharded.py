@@ -1,18 +1,27 @@
-"""Per-tensor stages on sharded params (FSDP2's DTensors, sharded on dim 0 over a 1-D mesh).
+"""Per-tensor stages on sharded params: FSDP2's DTensors, Shard(0) over one mesh dim (a 1-D mesh, or HSDP's
+2-D mesh, ``(Replicate(), Shard(0))``).
 
 A per-tensor stage (Muon's Newton-Schulz, Adafactor's row and column means) needs each whole tensor, and a
-rank holds only its shard of rows. Each tensor gets one owner rank (``assign``: largest first to the least
-loaded rank, by an estimate of the stage's cost; the same answer on every rank, since every rank sees the same
-global shapes in the same order). One step of a stage over a bucket is then:
+rank holds only its shard of rows. The ranks that split a tensor are those of the shard mesh dim's process group
+(``mesh.get_group(dim)``); under HSDP each replicate group holds the same grads (FSDP2 reduces them across
+replicas), so each works out the same whole tensors on its own, with no traffic between replicas. Within that
+group each tensor gets one owner rank (``assign``: largest first to the least loaded rank, by an estimate of the
+stage's cost; the same answer on every rank, since every rank sees the same global shapes in the same order).
+One step of a stage over a bucket is then:
 
   1. one ``all_to_all_single``: every rank sends its shard of each tensor the stage ``reads`` to that tensor's
      owner, which stitches the shards into whole tensors (uneven shards, and empty ones, as DTensor splits them);
   2. each owner runs the stage on the tensors it owns, batched by shape as on one process;
   3. one ``all_to_all_single`` back: the owner sends each rank its rows of every tensor the stage ``writes``.
 
-No rank repeats another's work, and an element crosses the network at most once each way: per step, the
-elements of the ``reads`` of every sharded tensor, then of its ``writes``, each times (W - 1) / W, summed over
-all ranks (the owner's own rows stay put).
+No rank repeats another's work within its group, and an element crosses the network at most once each way: per
+step, the elements of the ``reads`` of every sharded tensor, then of its ``writes``, each times (W - 1) / W for
+a group of W ranks, summed over all ranks (the owner's own rows stay put).
+
+Not gathered at all: a tensor whole on every rank (Replicate(), or Shard(0) over a mesh dim of one rank), and one
+whose stage declares its dim-0 slices independent (``PerTensor.local_rows``: an (E, M, N) stack of matrices, each
+stepped on its own), which each rank steps on its own rows; a rank with none of its rows skips it. Any other
+layout (Shard on another dim, Shard on two mesh dims) is refused.
 """
 
 from __future__ import annotations
@@ -26,18 +35,27 @@ from torch import Tensor
 from ..storage.state import is_dtensor
 
 
-def shard_dim0(owner) -> bool:
-    """True: sharded on dim 0 over a 1-D mesh (what this module handles); False: whole on every rank
-    (Replicate); raises for any other layout, rather than run a per-tensor stage on part of a tensor."""
-    placements = owner.placements
-    kinds = {type(pl).__name__ for pl in placements}
-    if kinds <= {"Replicate"}:
-        return False
-    if owner.device_mesh.ndim == 1 and kinds == {"Shard"} and placements[0].dim == 0:
-        return True
+def shard_mesh_dim(owner) -> int | None:
+    """The mesh dim over which ``owner``'s dim 0 is split: Shard(0) on one mesh dim, Replicate() on the others
+    (FSDP2's ``(Shard(0),)``, HSDP's ``(Replicate(), Shard(0))``). None where the tensor is whole on every rank.
+    Raises for any other layout, rather than run a per-tensor stage on part of a tensor."""
+    placements, mesh = owner.placements, owner.device_mesh
+    # a mesh dim of one rank splits nothing, whatever its placement
+    split = [d for d, pl in enumerate(placements) if type(pl).__name__ != "Replicate" and mesh.size(d) > 1]
+    if not split:
+        return None
+    if len(split) == 1 and type(placements[split[0]]).__name__ == "Shard" and placements[split[0]].dim == 0:
+        return split[0]
     raise NotImplementedError(f"per-tensor stages (Muon, Adafactor) need whole tensors; params laid out as "
-                              f"{tuple(placements)} on a {owner.device_mesh.ndim}-D mesh are not gathered: only "
-                              f"Shard(0) on a 1-D mesh (FSDP2's default) is")
+                              f"{tuple(placements)} on a mesh of shape {tuple(mesh.shape)} are not gathered: only "
+                              f"Shard(0) on one mesh dim and Replicate() on the others is (FSDP2's (Shard(0),), "
+                              f"HSDP's (Replicate(), Shard(0)))")
+
+
+def shard_dim0(owner) -> bool:
+    """True: split on dim 0 over some ranks (``shard_mesh_dim``); False: whole on every rank; raises for any
+    other layout."""
+    return shard_mesh_dim(owner) is not None
 
 
 def row_split(rows: int, world: int) -> list[int]:
@@ -73,19 +91,39 @@ def per_tensor(impl: str, stage, tensors: dict, scalars: tuple, flags: tuple, ow
                run_local: Callable) -> None:
     """``stage`` over a bucket whose ``tensors`` are the local shards of ``owners`` (DTensors, or plain tensors
     for params that are whole here); ``run_local(impl, stage, tensors, scalars, flags)`` runs it on whole
-    tensors."""
-    meshes: dict = {}
-    whole = []
+    tensors, or on whole dim-0 slices where the stage declares them enough (``PerTensor.local_rows``)."""
+    groups: dict = {}
+    here = []
     for i, owner in enumerate(owners):
-        if is_dtensor(owner) and shard_dim0(owner):
-            meshes.setdefault(owner.device_mesh, []).append(i)
+        dim = shard_mesh_dim(owner) if is_dtensor(owner) else None
+        if dim is None:
+            here.append(i)
+        elif stage.local_rows is not None and stage.local_rows(tuple(owner.shape), flags):
+            if tensors["param"][i].shape[0]:  # (a rank with none of its rows has nothing to do)
+                here.append(i)
         else:
-            whole.append(i)
-    if whole:
-        run_local(impl, stage, _subset(tensors, whole), scalars, flags)
-    for mesh, members in meshes.items():
+            groups.setdefault((owner.device_mesh, dim), []).append(i)
+    if here:
+        run_local(impl, stage, _subset(tensors, here), scalars, flags)
+    for (mesh, dim), members in groups.items():
+        group = mesh.get_group(dim)
+        _check_rank(mesh, dim, group)
         _spread(impl, stage, _subset(tensors, members), scalars, flags, [tuple(owners[i].shape) for i in members],
-                mesh.get_group(), run_local)
+                group, run_local)
+
+
+def _check_rank(mesh, dim: int, group) -> None:
+    """DTensor gives a rank the rows of its mesh coordinate, all_to_all addresses it by its rank in the group:
+    the exchange needs the two orders to agree (as on meshes that init_device_mesh makes). Every rank of the
+    group sees the same ranks, so all of them raise or none (none is left waiting in the exchange)."""
+    import torch.distributed as dist
+
+    at = tuple(slice(None) if d == dim else c for d, c in enumerate(mesh.get_coordinate()))
+    by_coordinate = mesh.mesh[at].tolist()
+    if dist.get_process_group_ranks(group) != by_coordinate:
+        raise NotImplementedError(f"per-tensor stages on sharded params: mesh dim {dim} of {mesh} orders its ranks "
+                                  f"{by_coordinate}, its process group {dist.get_process_group_ranks(group)}; use a "
+                                  f"mesh whose ranks ascend along each dim (init_device_mesh's)")
 
 
 def _spread(impl: str, stage, tensors: dict, scalars: tuple, flags: tuple, shapes: list[tuple], group,

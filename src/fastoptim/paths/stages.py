@@ -11,7 +11,8 @@
   contiguous batches, as vectors where the stage is declared ``flat``, and runs tensors of at most one element
   eagerly: layouts, ranks and sizes 0 and 1 would each compile a graph of their own (``_canonical``).
 
-On sharded params (FSDP2) a per-tensor stage runs each whole tensor on one rank (``sharded``).
+On sharded params (FSDP2, HSDP) a per-tensor stage runs each whole tensor on one rank of its shard group, or
+on each rank's own rows where the stage declares whole dim-0 slices enough (``sharded``).
 
 Grads are scaled (GradScaler, clipping) once, into temporaries, by the dispatcher before the first stage. Scratch tensors live in
 the bucket's cache (the step plan makes a new bucket, and cache, whenever a param's layout changes), one buffer

@@ -75,12 +75,20 @@ class PerTensor:
     ``flat``: ``fn``'s result for a tensor does not depend on its shape (LAMB's norms over the whole tensor), so
     ``fn`` may get each tensor as a vector, the batch shaped (n, numel): the compiled level passes it so, and
     compiles one graph for every rank. Leave it False where the math reads a tensor's own dims (Adafactor's row
-    and column factors, Muon's matrices); tests/paths/test_stages.py checks every stage declared flat."""
+    and column factors, Muon's matrices); tests/paths/test_compiled_graphs.py checks every stage declared flat.
+
+    ``local_rows(shape, flags)``: True where ``fn``, on a param of global ``shape`` (and its param-shaped
+    states) under the rule's FLAGS ``flags`` (positional, in ``flag_names`` order), works slice by slice along
+    dim 0: given any run of whole dim-0 slices alone, it gives what it gives on them within the whole tensor (a
+    stack of matrices each stepped on its own: an (E, M, N) param is E matrices). A rank holding such a tensor's
+    rows (FSDP2's Shard(0)) then runs the stage on them, with no gather (``paths.sharded``). None: never, the
+    stage needs each whole tensor. tests/engine/test_distributed.py checks every stage that declares it."""
     fn: Callable[..., tuple | None]
     reads: tuple[str, ...]
     writes: tuple[str, ...]
     in_place: bool = False
     flat: bool = False
+    local_rows: Callable[[tuple, tuple], bool] | None = None
 
     def __post_init__(self):
         if self.in_place and not set(self.writes) <= set(self.reads):
