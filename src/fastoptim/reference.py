@@ -79,19 +79,25 @@ class ReferenceLAMB(ReferenceLoop):
 class ReferenceMuon(torch.optim.Muon):
     """torch.optim.Muon with its Newton-Schulz in ``ns_dtype`` (None: what ``fastoptim.Muon`` picks on the CPU):
     torch's own single-tensor loop (``lerp``, ``addmm``, the same order of operations), one matrix at a time.
-    With bf16 it is torch.optim.Muon; with float32, the oracle of fastoptim's fp32 Newton-Schulz."""
+    With bf16 it is torch.optim.Muon; with float32, the oracle of fastoptim's fp32 Newton-Schulz. It also takes
+    fastoptim's coefficient schedules (a preset's name, one triple per iteration) and ``ns_method``, with Gram
+    Newton-Schulz written out as plain products on the (transposed-if-tall) matrix."""
 
-    def __init__(self, params, *args, ns_dtype: torch.dtype | str | None = None, **kwargs):
+    def __init__(self, params, *args, ns_dtype: torch.dtype | str | None = None, ns_method: str = "auto",
+                 **kwargs):
         from fastoptim.rules.muon import NS_DTYPES, fast_matmul_dtype
 
         super().__init__(params, *args, **kwargs)
         self.ns_dtype = NS_DTYPES.get(ns_dtype, ns_dtype) or fast_matmul_dtype("cpu")
+        self.ns_method = ns_method
 
     @torch.no_grad()
     def step(self, closure=None):  # (torch.optim's signature: trainers pass closure=None; none is taken here)
         from torch.optim._muon import _adjust_lr
+
+        from fastoptim.rules import newton_schulz as ns
         for group in self.param_groups:
-            a, b, c = group["ns_coefficients"]
+            schedule = ns.schedule(group["ns_coefficients"], group["ns_steps"])
             for p in group["params"]:
                 if p.grad is None:
                     continue
@@ -105,13 +111,33 @@ class ReferenceMuon(torch.optim.Muon):
                 if update.size(0) > update.size(1):
                     x = x.T
                 x = x / x.norm().clamp(min=group["eps"])
-                for _ in range(group["ns_steps"]):
-                    gram = x @ x.T
-                    x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+                if schedule and ns.resolve_method(self.ns_method, *x.shape, schedule) == "gram":
+                    x = _gram_newton_schulz(x, schedule)
+                else:
+                    for a, b, c in schedule:
+                        gram = x @ x.T
+                        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
                 if update.size(0) > update.size(1):
                     x = x.T
                 p.mul_(1 - group["lr"] * group["weight_decay"])
                 p.add_(x, alpha=-_adjust_lr(group["lr"], group["adjust_lr_fn"], p.shape))
+
+
+def _gram_newton_schulz(x, schedule):
+    """Gram Newton-Schulz on a wide matrix, literally: R = X X^T, B = a I + b R + c R^2, Q <- B Q, R <- B R B,
+    and before iteration ``restart_at`` X <- Q X, R <- X X^T, Q <- I; the result Q X."""
+    from fastoptim.rules.newton_schulz import restart_at
+
+    eye = torch.eye(x.shape[0], dtype=x.dtype)
+    r, q = x @ x.T, eye
+    for i, (a, b, c) in enumerate(schedule):
+        if i == restart_at(schedule):
+            x = q @ x
+            r, q = x @ x.T, eye
+        poly = torch.addmm(r, r, r, beta=b, alpha=c) + a * eye
+        q = poly @ q
+        r = poly @ r @ poly
+    return q @ x
 
 
 class ReferenceMuonRecipe:
