@@ -72,6 +72,10 @@ def check_loaded(state_dict: dict[str, Any], *, groups: list[dict], optimizer_ru
             optimizer_rule.validate(merged)
         except (ValueError, TypeError) as e:
             raise ValueError(f"loaded state dict's parameter group {i}: {e}") from None
+        for p in group["params"]:  # (a setting that no longer fits a param: Muon's split)
+            why = optimizer_rule.for_group(merged).check_param(p, merged)
+            if why:
+                raise ValueError(f"loaded state dict's parameter group {i}: {why}")
         params += list(zip(saved["params"], group["params"]))
         rules.update({id(p): optimizer_rule.for_group(merged) for p in group["params"]})
     by_id = dict(params)

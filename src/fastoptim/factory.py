@@ -94,12 +94,23 @@ def _classifier_head(linears: list[tuple[str, torch.nn.Linear]]) -> list[torch.n
     return [m.weight for _, m in named]
 
 
+def _takes_muon(p: torch.Tensor) -> bool:
+    """A param of 3+ dims goes to Muon where its first two dims are above 1 (as in timm's Muon): a 1 there marks
+    a class token, a position table (1, n, d), a layer scale (d, 1, 1) or a depthwise filter (c, 1, k, k)."""
+    return p.dim() >= 3 and p.shape[0] > 1 and p.shape[1] > 1
+
+
 def muon_groups(model: torch.nn.Module, weight_decay: float | None = None, adamw_lr: float = 3e-4,
                 adamw_betas: tuple = (0.9, 0.95), adamw_eps: float = 1e-8,
                 head: torch.nn.Module | torch.Tensor | Iterable | None = None) -> list[dict]:
     """The usual Muon recipe as param groups of one optimizer: Muon for the hidden matrices; AdamW (``adamw_lr``,
     ``adamw_betas``, ``adamw_eps``) for embeddings, the output head and every param that is not a matrix, with no
-    weight decay on 0-d/1-d params. ``head``: the output head's modules or weights (None: ``output_heads``)."""
+    weight decay on 0-d/1-d params. ``head``: the output head's modules or weights (None: ``output_heads``).
+
+    Muon's matrices: 2-D weights; convolution weights, in a group of their own with ``matrices="flatten"`` (each
+    filter bank the matrix (out, in * kernel), as Jordan's Muon takes it; a Conv1d weight is 3-D too); and
+    other params of 3+ dims, batches of matrices (``matrices="auto"``: MoE experts (E, M, N)), both where their
+    first two dims are above 1 (``_takes_muon``)."""
     apart = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
     if head is None:
         heads = output_heads(model)
@@ -107,21 +118,22 @@ def muon_groups(model: torch.nn.Module, weight_decay: float | None = None, adamw
         heads = [head] if isinstance(head, (torch.nn.Module, torch.Tensor)) else list(head)
         heads = [p for h in heads for p in (h.parameters() if isinstance(h, torch.nn.Module) else [h])]
     apart |= {id(p) for p in heads}
-    hidden, matrices, vectors = [], [], []
+    convs = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.modules.conv._ConvNd)}
+    hidden, filters, matrices, vectors = [], [], [], []
     for p in model.parameters():
         if not p.requires_grad:
             continue
-        if p.dim() == 2 and id(p) not in apart:
-            hidden.append(p)
+        if id(p) not in apart and (p.dim() == 2 or _takes_muon(p)):
+            (filters if id(p) in convs else hidden).append(p)
         else:
             (matrices if p.dim() >= 2 else vectors).append(p)
-    if not hidden and (matrices or vectors):
-        _warn("muon_groups: the model has no hidden 2-D matrix for Muon (Muon steps 2-D weights; convolution "
-              "weights have more dims): every param steps with AdamW")
+    if not hidden and not filters and (matrices or vectors):
+        _warn("muon_groups: the model has no hidden matrix for Muon (a 2-D weight, a convolution's filters, or "
+              "a batch of matrices such as MoE experts): every param steps with AdamW")
     decay = {} if weight_decay is None else {"weight_decay": weight_decay}
     adamw = dict(use_muon=False, lr=adamw_lr, betas=adamw_betas, eps=adamw_eps)
-    groups = [{"params": hidden, **decay}, {"params": matrices, **adamw, **decay},
-              {"params": vectors, **adamw, "weight_decay": 0.0}]
+    groups = [{"params": hidden, **decay}, {"params": filters, "matrices": "flatten", **decay},
+              {"params": matrices, **adamw, **decay}, {"params": vectors, **adamw, "weight_decay": 0.0}]
     return [g for g in groups if g["params"]]
 
 

@@ -274,6 +274,9 @@ class FastOptimizer(torch.optim.Optimizer):
         stepper.plans = {}
         if "_group_defaults" not in d:  # pickled before group_only: those keys sat in defaults
             self._group_defaults = {k: self.defaults.pop(k, self.rule.defaults[k]) for k in self.rule.group_only}
+        for k, v in self.rule.defaults.items():  # (pickled before the rule had them: Muon's matrices and split)
+            if k not in self.rule.group_only:
+                self.defaults.setdefault(k, v)
         if "gradient_release" in d:  # unpickled or deep-copied: hooks on its own params
             released = d.pop("gradient_release")
             bucket_bytes = d.pop("release_bucket_bytes", None)

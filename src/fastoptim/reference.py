@@ -111,7 +111,7 @@ class ReferenceMuon(torch.optim.Muon):
                 if update.size(0) > update.size(1):
                     x = x.T
                 x = x / x.norm().clamp(min=group["eps"])
-                if schedule and ns.resolve_method(self.ns_method, *x.shape, schedule) == "gram":
+                if schedule and ns.resolve_method(self.ns_method, *x.shape, schedule, x.dtype) == "gram":
                     x = _gram_newton_schulz(x, schedule)
                 else:
                     for a, b, c in schedule:
@@ -140,27 +140,63 @@ def _gram_newton_schulz(x, schedule):
     return q @ x
 
 
+def matrix_views(t: torch.Tensor, matrices: str = "auto", split=None) -> list[torch.Tensor]:
+    """The 2-D views of ``t`` that Muon orthogonalises apart, written for the oracle apart from the rule's own:
+    ``g.view(len(g), -1)`` for filters, as Jordan's Muon views them (``matrices="flatten"``, or "auto" at 4+
+    dims), each matrix of a batch ("batch", or "auto" at 3 dims), and each block of rows ``split`` cuts."""
+    if t.dim() == 2:
+        mats = [t]
+    elif matrices == "batch" or (matrices == "auto" and t.dim() == 3):
+        mats = list(t.view(-1, *t.shape[-2:]).unbind(0))
+    else:
+        mats = [t.view(len(t), -1)]
+    if split is None:
+        return mats
+    return [block for m in mats for block in m.split([len(m) // split] * split if isinstance(split, int)
+                                                     else list(split))]
+
+
 class ReferenceMuonRecipe:
     """The Muon recipe (``fastoptim.factory.muon_groups``) with the oracles: ``ReferenceMuon`` for the hidden
-    matrices, torch's AdamW (single-tensor) for each other group. Takes a model, as ``fastoptim.create`` does."""
+    matrices, torch's AdamW (single-tensor) for each other group. Takes a model, as ``fastoptim.create`` does.
+    A Muon param that is not one matrix (filters, a batch of matrices, ``split``) is stepped as its
+    ``matrix_views``, each a param of ReferenceMuon's own that shares the param's memory."""
 
     def __init__(self, model, lr=1e-3, adamw_lr=3e-4, adamw_betas=(0.9, 0.95), adamw_eps=1e-8,
                  weight_decay=0.1, **muon_kwargs):
         from fastoptim.factory import muon_groups
 
         self.optimizers = []
+        self.views: list[tuple[torch.Tensor, list[torch.nn.Parameter], dict]] = []
         for group in muon_groups(model, weight_decay, adamw_lr, adamw_betas, adamw_eps):
             params = group.pop("params")
             if group.pop("use_muon", True):
-                self.optimizers.append(ReferenceMuon(params, lr=lr, **group, **muon_kwargs))
+                layout = {k: group.pop(k, muon_kwargs.get(k, default)) for k, default in
+                          (("matrices", "auto"), ("split", None))}
+                kwargs = {k: v for k, v in muon_kwargs.items() if k not in layout}
+                stepped = []
+                for p in params:
+                    if p.dim() == 2 and layout["split"] is None:
+                        stepped.append(p)
+                        continue
+                    views = [torch.nn.Parameter(v) for v in matrix_views(p.detach(), **layout)]
+                    self.views.append((p, views, layout))
+                    stepped += views
+                self.optimizers.append(ReferenceMuon(stepped, lr=lr, **group, **kwargs))
             else:
                 self.optimizers.append(torch.optim.AdamW(params, **group, foreach=False))
 
     def zero_grad(self):
         for opt in self.optimizers:
             opt.zero_grad()
+        for p, _, _ in self.views:
+            p.grad = None
 
     def step(self):
+        for p, views, layout in self.views:
+            grads = [None] * len(views) if p.grad is None else matrix_views(p.grad, **layout)
+            for view, grad in zip(views, grads):
+                view.grad = grad
         for opt in self.optimizers:
             opt.step()
 

@@ -24,7 +24,7 @@ class OptimizerSpec:
     cls: type[FastOptimizer]
     reference: str | None
     option_sets: tuple[dict, ...]
-    # the params it takes: "any", or "matrices" (2-D only: Muon); the tests give it such params
+    # the params it takes: "any", or "matrices" (2+ dims: Muon); the tests give it 2-D ones
     params: str = "any"
     # the torch.optim class of the same algorithm where it is not the oracle (torch.optim.Muon: no
     # single-tensor flag, its Newton-Schulz always in bf16; the oracle is fastoptim.reference.ReferenceMuon)

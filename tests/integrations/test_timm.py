@@ -249,11 +249,17 @@ def test_muon_routes_params_as_timms_muon_and_honours_use_fallback(registry):
     groups[1]["params"] = [p for p in groups[1]["params"] if p is not head]
     groups.append({"params": [head], "weight_decay": 0.05, "use_fallback": True})  # timm's fallback_list=
     vector_row = nn.Parameter(torch.randn(1, 8))  # two dims but one of them 1: AdamW, as in timm's Muon
-    groups.append({"params": [vector_row]})
+    # 3+ dims: conv filters on Muon, flattened as timm's Muon flattens them; a position table, a depthwise
+    # filter and a layer scale (a 1 among their first two dims) on AdamW
+    conv, conv1d = nn.Parameter(torch.randn(8, 3, 3, 3)), nn.Parameter(torch.randn(8, 4, 3))
+    others = [nn.Parameter(torch.randn(s)) for s in [(1, 5, 8), (8, 1, 3, 3), (8, 1, 1)]]
+    groups.append({"params": [vector_row, conv, conv1d, *others]})
     opt = registry.create_optimizer(groups, "fastoptim-muon", lr=1e-2)
     on_muon = {id(p) for g in opt.param_groups if g["use_muon"] for p in g["params"]}
-    assert on_muon == {id(model[0].weight), id(model[2].weight)}
+    assert on_muon == {id(model[0].weight), id(model[2].weight), id(conv), id(conv1d)}
     assert all("use_fallback" not in g for g in opt.param_groups)
+    flattened = [g for g in opt.param_groups if g["use_muon"] and g["matrices"] == "flatten"]
+    assert [[id(p) for p in g["params"]] for g in flattened] == [[id(conv), id(conv1d)]]
 
 
 # --- with timm itself, in a fresh process (tests/timm_worker.py) ------------------------------------------------

@@ -14,9 +14,10 @@ from fastoptim.rules.base import RULES, PerTensor
 # unique graphs of three steps over ``make_params`` (option set 0), from a cold start. Elementwise rules: one for
 # every size (1-element tensors step packed); LAMB: its two elementwise stages and one trust ratio for every rank;
 # Adafactor: one stage per rank class of its batch (vectors; matrices; 3-D); Muon: its two elementwise stages, and
-# around Newton-Schulz (eager) the stage's pieces, per batch of one or more and per tall or wide shape.
+# the stage's scalars unbound before its orthogonalisation (eager: Newton-Schulz and the blocks' shapes), per
+# batch of one or more.
 GRAPHS = {name: 1 for name in OPTIMIZERS}
-GRAPHS.update(lamb=3, adafactor=3, muon=7)
+GRAPHS.update(lamb=3, adafactor=3, muon=4)
 
 
 def _unique_graphs() -> int:

@@ -133,10 +133,10 @@ def test_compiled_stages_do_not_recompile_when_lr_changes():
     assert counts[1] == counts[-1], counts
 
 
-@pytest.mark.parametrize("bad", [(4,), (2, 3, 4), ()])
-def test_muon_refuses_params_that_are_not_matrices(bad):
+@pytest.mark.parametrize("bad", [(4,), ()])
+def test_muon_refuses_params_that_are_not_matrices(bad):  # (3+ dims: tests/rules/test_muon_matrices.py)
     p = torch.nn.Parameter(torch.zeros(bad))
-    with pytest.raises(ValueError, match="2-D matrices only"):
+    with pytest.raises(ValueError, match="matrices only"):
         fastoptim.Muon([p])
     fastoptim.Muon([{"params": [p], "use_muon": False}])  # AdamW takes it
 
@@ -503,7 +503,7 @@ def test_muon_pickled_with_betas_in_defaults_moves_them_to_group_defaults():
 
 
 def test_named_params_are_checked_as_their_tensors_and_refused_states_name_the_algorithm():
-    with pytest.raises(ValueError, match="2-D matrices only"):
+    with pytest.raises(ValueError, match="matrices only"):
         fastoptim.Muon([("v", torch.nn.Parameter(torch.zeros(5)))])
     named = fastoptim.Muon([("w", torch.nn.Parameter(torch.zeros(3, 4)))], flat=True)
     assert named.param_groups[0]["param_names"] == ["w"]

@@ -97,11 +97,11 @@ def test_the_cost_model_counts_the_products_each_method_takes(shape, steps):
         with FlopCounterMode(display=False) as counter:
             ns.newton_schulz(x, schedule, 1e-7, torch.float32, method)
         assert counter.get_total_flops() == 2 * expected  # (two matrices)
-    # "auto" takes the cheaper one: the FLOPs show which ran
-    with FlopCounterMode(display=False) as counter:
-        ns.newton_schulz(x, schedule, 1e-7, torch.float32, "auto")
-    cheaper = min(standard, ns.gram_cost(m, n, schedule))
-    assert counter.get_total_flops() == 2 * cheaper
+    # "auto" takes the cheaper one in fp32, the standard one in bf16: the FLOPs show which ran
+    for dtype, expected in ((torch.float32, min(standard, ns.gram_cost(m, n, schedule))), (torch.bfloat16, standard)):
+        with FlopCounterMode(display=False) as counter:
+            ns.newton_schulz(x, schedule, 1e-7, dtype, "auto")
+        assert counter.get_total_flops() == 2 * expected
     assert ns.gram_is_cheaper(*shape, schedule) == (ns.gram_cost(m, n, schedule) < standard)
 
 

@@ -1,6 +1,7 @@
 """``create(model, "muon")`` keeps the output layer on AdamW for classifiers too (a ResNet's ``fc``, a ViT's
 ``head``, an MLP's last Linear), not only for language models, and warns, naming the module, where the choice
-is a guess."""
+is a guess. Conv weights (flattened) and batches of matrices (MoE experts) go to Muon; position tables, class
+tokens, layer scales and depthwise filters do not."""
 
 import warnings
 
@@ -33,10 +34,16 @@ def _ids(*params):
 
 
 def _check(model, opt, on_muon):
-    """Exactly ``on_muon`` on Muon; every other param that requires grad on AdamW."""
+    """Exactly ``on_muon`` on Muon; every other param that requires grad on AdamW; conv weights on Muon in a
+    group of their own that flattens them, every other Muon param in groups that do not set ``matrices``."""
     muon, adamw = _split(opt)
     assert muon == _ids(*on_muon)
     assert adamw == _ids(*model.parameters()) - muon
+    convs = _ids(*(m.weight for m in model.modules() if isinstance(m, nn.modules.conv._ConvNd)))
+    for g in opt.param_groups:
+        if g.get("use_muon", True):
+            flatten = g["matrices"] == "flatten"
+            assert all((id(p) in convs) == flatten for p in g["params"]), g["matrices"]
 
 
 # --- models --------------------------------------------------------------------------------------------------
@@ -144,7 +151,9 @@ def test_resnet_fc_goes_to_adamw_without_a_warning():
     model = ResNetLike()
     opt, caught = _create(model)
     se = [m for m in model.modules() if isinstance(m, _SqueezeExcite)]
-    _check(model, opt, [w for m in se for w in (m.reduce.weight, m.expand.weight)])  # (conv weights: AdamW)
+    convs = [m.weight for m in model.modules() if isinstance(m, nn.Conv2d)]
+    assert len(convs) == 5
+    _check(model, opt, [w for m in se for w in (m.reduce.weight, m.expand.weight)] + convs)
     assert id(model.fc.weight) in _split(opt)[1]
     assert not caught, [str(w.message) for w in caught]  # named "fc": not a guess
 
@@ -153,12 +162,12 @@ def test_vit_head_goes_to_adamw_without_a_warning():
     model = ViTLike()
     opt, caught = _create(model)
     hidden = [m.weight for b in model.blocks for m in (b.attn.qkv, b.attn.proj, b.mlp.fc1, b.mlp.fc2)]
-    _check(model, opt, hidden)
+    _check(model, opt, hidden + [model.patch_embed.weight])  # (the patch embedding: a conv, flattened)
     assert not caught, [str(w.message) for w in caught]
-    # cls token and positions (3-D) go with the head's weight to AdamW with weight decay; 1-D params without
+    # cls token and positions (3-D, a leading 1) go with the head's weight to AdamW with weight decay; 1-D
+    # params without
     decayed = next(g for g in opt.param_groups if g.get("use_muon", True) is False and g["weight_decay"] != 0)
-    assert _ids(*decayed["params"]) == _ids(model.head.weight, model.patch_embed.weight, model.cls_token,
-                                            model.pos_embed)
+    assert _ids(*decayed["params"]) == _ids(model.head.weight, model.cls_token, model.pos_embed)
 
 
 def test_mlp_last_linear_goes_to_adamw_with_a_warning_naming_it():
@@ -194,12 +203,10 @@ def test_text_classifier_with_an_embedding_keeps_its_narrow_classifier_on_adamw(
 def test_several_linears_named_like_a_head_all_go_to_adamw_with_a_warning_naming_them():
     model = VGGLike()
     opt, caught = _create(model)
-    _check(model, opt, [])  # every matrix is in the head: nothing on Muon
-    assert not [g for g in opt.param_groups if g.get("use_muon", True)]
-    assert len(caught) == 2  # the guess, and that nothing is left for Muon
+    _check(model, opt, [model.features[0].weight])  # every Linear is in the head: only the conv on Muon
+    assert len(caught) == 1  # the guess
     assert "3 Linears are named like an output head ('classifier.0', 'classifier.2', 'classifier.4')" \
         in str(caught[0].message)
-    assert "no hidden 2-D matrix for Muon" in str(caught[1].message)
 
 
 def test_head_says_it_outright_without_a_warning():
@@ -217,17 +224,76 @@ def test_a_single_linear_model_is_its_own_head():
     opt, caught = _create(model)
     _check(model, opt, [])
     messages = [str(w.message) for w in caught]
-    assert len(messages) == 2 and "the model itself" in messages[0] and "no hidden 2-D matrix" in messages[1]
+    assert len(messages) == 2 and "the model itself" in messages[0] and "no hidden matrix" in messages[1]
+
+
+class _DepthwiseNet(nn.Module):
+    """Nothing for Muon: a depthwise conv (c, 1, k, k), a layer scale (c, 1, 1), an embedding and the head."""
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(10, 8)
+        self.dw = nn.Conv2d(8, 8, 3, groups=8)
+        self.gamma = nn.Parameter(torch.ones(8, 1, 1))
+        self.head = nn.Linear(8, 10)
 
 
 def test_a_model_with_nothing_for_muon_says_so():
-    """A conv net whose only Linear is its classifier: Muon gets nothing (conv weights are 4-D), with a warning."""
-    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 10))
+    """A model whose params of 2+ dims are an embedding, its head, a depthwise filter and a layer scale: Muon
+    gets nothing, with a warning; a conv net's filters are Muon's (no such warning)."""
+    model = _DepthwiseNet()
     opt, caught = _create(model)
     _check(model, opt, [])
-    assert any("no hidden 2-D matrix for Muon" in str(w.message) for w in caught)
-    _, caught = _create(ResNetLike())  # its squeeze-excite Linears are Muon's: no such warning
+    assert any("no hidden matrix for Muon" in str(w.message) for w in caught)
+    conv_net = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 10))
+    opt, caught = _create(conv_net)
+    _check(conv_net, opt, [conv_net[0].weight])
     assert not any("no hidden" in str(w.message) for w in caught)
+
+
+class _Experts(nn.Module):
+    """An MoE layer: a router (Linear), experts as (E, M, N) params, and a Conv1d mixing tokens (3-D too)."""
+    def __init__(self, d=16, experts=4, hidden=32):
+        super().__init__()
+        self.router = nn.Linear(d, experts, bias=False)
+        self.w_in = nn.Parameter(torch.randn(experts, d, hidden) / d ** 0.5)
+        self.w_out = nn.Parameter(torch.randn(experts, hidden, d) / hidden ** 0.5)
+        self.mix = nn.Conv1d(d, d, 3, padding=1)
+
+    def forward(self, x):  # (batch, tokens, d)
+        gates = torch.softmax(self.router(x), -1)  # (batch, tokens, experts)
+        h = torch.einsum("btd,edh->bteh", x, self.w_in).relu()
+        y = torch.einsum("bteh,ehd->bted", h, self.w_out)
+        y = (gates[..., None] * y).sum(2)
+        return self.mix(y.transpose(1, 2)).transpose(1, 2)
+
+
+class _MoELM(nn.Module):
+    def __init__(self, vocab=32, d=16):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d)
+        self.moe = _Experts(d)
+        self.norm = nn.LayerNorm(d)
+        self.lm_head = nn.Linear(d, vocab, bias=False)
+
+    def forward(self, tokens):
+        return self.lm_head(self.norm(self.moe(self.embed(tokens))))
+
+
+def test_experts_and_conv1d_weights_go_to_muon():
+    """(E, M, N) expert params go to Muon as batches of matrices ("auto"); a Conv1d weight (3-D too) goes in the
+    filters' group, flattened; the embedding and the head stay on AdamW. The recipe steps."""
+    model = _MoELM()
+    opt, caught = _create(model)
+    moe = model.moe
+    _check(model, opt, [moe.router.weight, moe.w_in, moe.w_out, moe.mix.weight])
+    assert not caught, [str(w.message) for w in caught]
+    assert next(g for g in opt.param_groups if any(p is moe.w_in for p in g["params"]))["matrices"] == "auto"
+    tokens = torch.randint(0, 32, (2, 5), generator=torch.Generator().manual_seed(0))
+    before = moe.w_in.detach().clone()
+    opt.zero_grad()
+    model(tokens).logsumexp(-1).mean().backward()
+    opt.step()
+    assert not torch.equal(moe.w_in, before)
 
 
 @pytest.mark.parametrize("make", [ResNetLike, ViTLike])

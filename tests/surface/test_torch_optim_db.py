@@ -70,6 +70,9 @@ ACCEPTED_BY_DESIGN = {
         "restriction belongs to its foreach path",
     r"betas\[0\] as a Tensor is not supported for capturable=False and foreach=True":
         "tensor betas work at every fastoptim level, foreach included",
+    "only support 2D parameters":
+        "fastoptim's Muon steps a param of 3+ dims as a batch of matrices or flattened to one (matrices=; "
+        "tests/rules/test_muon_matrices.py); 0-d and 1-d params stay refused",
 }
 
 # Error messages: torch's regex, or where fastoptim words the same error its own way, what its message
@@ -88,7 +91,6 @@ OUR_WORDING = {
     "epsilon1 should be >= 0": r"Invalid eps1 \(eps\[0\]\): -1e-30 \(must be >= 0\)",
     "Clipping threshold d should be >= 1": r"Invalid d: 0\.0 \(the clipping threshold must be >= 1\)",
     "beta2_decay should be <= 0": r"Invalid beta2_decay: 0\.8 \(must be <= 0\)",
-    "Muon only supports 2D parameters": r"Muon steps 2-D matrices only, got a param of shape \(2, 3, 4\)",
     "Adjust learning rate function arbitrary is not supported": r"Invalid adjust_lr_fn: 'arbitrary'",
 }
 

@@ -18,10 +18,13 @@ RMSprop, Muon), ``eps`` and ``betas`` only where the optimizer takes them (a flo
 Two adapters make that work:
 
 * Rprop takes no weight decay: timm's ``weight_decay=0`` (and groups' 0) are dropped, another value refused;
-* Muon routes params as timm's Muon does: matrices with two dims above 1 to Muon; the others, and groups
-  timm marks ``use_fallback`` (its ``fallback_list=``), to AdamW (``use_muon=False``). Conv weights go to AdamW
-  (fastoptim's Muon steps matrices only), and so does nothing else by name: pass ``fallback_list=["head*"]``
-  (or the model's head names) to keep the output layer on AdamW, as with timm's Muon.
+* Muon routes params as timm's Muon does: matrices with two dims above 1, and params of 3+ dims whose first
+  two dims are above 1 (conv weights; not position tables (1, n, d), layer scales (d, 1, 1) or depthwise
+  filters (c, 1, k, k)), to Muon; the others, and groups timm marks ``use_fallback`` (its ``fallback_list=``),
+  to AdamW (``use_muon=False``). Params of 3+ dims are flattened to (d0, d1 * ...), as timm's Muon flattens
+  them (``matrices="flatten"`` in a group of their own). Nothing else goes to AdamW by name: pass
+  ``fallback_list=["head*"]`` (or the model's head names) to keep the output layer on AdamW, as with timm's
+  Muon.
 """
 
 from __future__ import annotations
@@ -108,9 +111,13 @@ def _dropping_zero_weight_decay(cls: type) -> Callable:
 
 
 def _on_muon(p) -> bool:
-    """timm's Muon's shape rule, for the matrices fastoptim's Muon steps: two dims, both above 1."""
+    """timm's Muon's shape rule: two dims, both above 1; or 3+ dims, the first two above 1."""
     t = p[1] if isinstance(p, tuple) else p  # (named params)
-    return isinstance(t, Tensor) and t.dim() == 2 and min(t.shape) > 1
+    return isinstance(t, Tensor) and t.dim() >= 2 and t.shape[0] > 1 and t.shape[1] > 1
+
+
+def _dims(p) -> int:
+    return (p[1] if isinstance(p, tuple) else p).dim()
 
 
 def _routing_like_timm_muon(cls: type) -> Callable:
@@ -121,9 +128,11 @@ def _routing_like_timm_muon(cls: type) -> Callable:
             members = [members] if isinstance(members, Tensor) else list(members)
             settings = {k: v for k, v in group.items() if k not in ("params", "use_fallback")}
             muon = not group.get("use_fallback", False) and settings.get("use_muon", True)
-            matrices = [p for p in members if muon and _on_muon(p)]
+            matrices = [p for p in members if muon and _on_muon(p) and _dims(p) == 2]
+            filters = [p for p in members if muon and _on_muon(p) and _dims(p) > 2]  # (timm flattens them)
             rest = [p for p in members if not (muon and _on_muon(p))]
             routed += [{**settings, "params": matrices}] if matrices else []
+            routed += [{**settings, "params": filters, "matrices": "flatten"}] if filters else []
             routed += [{**settings, "params": rest, "use_muon": False}] if rest else []
         return cls(routed, **kwargs)
     return _named_like(cls, make)

@@ -22,7 +22,7 @@ class Declared:
     torch_class: ClassVar[str | None] = None
     # hyper-parameter sets that together turn on every flag: the tests run each at every level against the oracle
     option_sets: ClassVar[tuple[dict, ...]] = ()
-    # the params it takes: "any", or "matrices" (2-D only: Muon); the tests give it such params
+    # the params it takes: "any", or "matrices" (2+ dims: Muon); the tests give it 2-D ones
     takes: ClassVar[str] = "any"
     # ``fastoptim curves``' settings for this optimizer (its learning rate on the byte-level task, ...)
     curves_options: ClassVar[dict] = {"lr": 1e-3}
