@@ -70,8 +70,8 @@ def references(spec: registry.OptimizerSpec) -> list[tuple[str, dict]]:
     """(label, extra constructor arguments) of the reference runs, the exactness oracle first."""
     if spec.reference is not None:
         return [("torch", reference_kwargs(spec))]
-    if spec.params == "matrices":  # Muon: torch.optim.Muon's loop (Newton-Schulz in our dtype) and torch's AdamW
-        return [("torch", {})]
+    if spec.params == "matrices" and spec.torch_counterpart:
+        return [("torch", {})]  # Muon: torch.optim.Muon's loop (Newton-Schulz in our dtype) and torch's AdamW
     return [(EXACT_REFERENCE, {"compute_dtype": None}), (FP64_REFERENCE, {"compute_dtype": torch.float64})]
 
 
@@ -164,8 +164,9 @@ def _ours(spec, model, settings: dict, kwargs: dict):
 
 
 def _reference(spec, model, kwargs: dict, extra: dict):
-    if spec.params == "matrices":
-        return ReferenceMuonRecipe(model, adamw_lr=MUON_ADAMW_LR, **kwargs)
+    if spec.params == "matrices":  # the recipe with the rule's oracle, at the rule's default weight decay as ours
+        kwargs = {"weight_decay": spec.rule.defaults["weight_decay"], **kwargs}
+        return ReferenceMuonRecipe(model, adamw_lr=MUON_ADAMW_LR, reference=reference_class(spec), **kwargs, **extra)
     return reference_class(spec)(model.parameters(), **kwargs, **extra)
 
 

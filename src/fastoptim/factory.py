@@ -102,7 +102,7 @@ def _takes_muon(p: torch.Tensor) -> bool:
 
 def muon_groups(model: torch.nn.Module, weight_decay: float | None = None, adamw_lr: float = 3e-4,
                 adamw_betas: tuple = (0.9, 0.95), adamw_eps: float = 1e-8,
-                head: torch.nn.Module | torch.Tensor | Iterable | None = None) -> list[dict]:
+                head: torch.nn.Module | torch.Tensor | Iterable | None = None, batched: bool = True) -> list[dict]:
     """The usual Muon recipe as param groups of one optimizer: Muon for the hidden matrices; AdamW (``adamw_lr``,
     ``adamw_betas``, ``adamw_eps``) for embeddings, the output head and every param that is not a matrix, with no
     weight decay on 0-d/1-d params. ``head``: the output head's modules or weights (None: ``output_heads``).
@@ -110,7 +110,8 @@ def muon_groups(model: torch.nn.Module, weight_decay: float | None = None, adamw
     Muon's matrices: 2-D weights; convolution weights, in a group of their own with ``matrices="flatten"`` (each
     filter bank the matrix (out, in * kernel), as Jordan's Muon takes it; a Conv1d weight is 3-D too); and
     other params of 3+ dims, batches of matrices (``matrices="auto"``: MoE experts (E, M, N)), both where their
-    first two dims are above 1 (``_takes_muon``)."""
+    first two dims are above 1 (``_takes_muon``). ``batched=False`` (a rule of 2-D matrices only: NorMuon) leaves
+    params of 3+ dims to AdamW."""
     apart = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
     if head is None:
         heads = output_heads(model)
@@ -123,7 +124,7 @@ def muon_groups(model: torch.nn.Module, weight_decay: float | None = None, adamw
     for p in model.parameters():
         if not p.requires_grad:
             continue
-        if id(p) not in apart and (p.dim() == 2 or _takes_muon(p)):
+        if id(p) not in apart and (p.dim() == 2 or batched and _takes_muon(p)):
             (filters if id(p) in convs else hidden).append(p)
         else:
             (matrices if p.dim() >= 2 else vectors).append(p)
@@ -144,7 +145,8 @@ def create(model_or_params: torch.nn.Module | Iterable, name: str, **kwargs: Any
     cls = spec.cls
     if isinstance(model_or_params, torch.nn.Module) and spec.params == "matrices":  # Muon's recipe
         recipe = {k: kwargs.pop(k) for k in ("adamw_lr", "adamw_betas", "adamw_eps", "head") if k in kwargs}
-        groups = muon_groups(model_or_params, kwargs.pop("weight_decay", None), **recipe)
+        groups = muon_groups(model_or_params, kwargs.pop("weight_decay", None), **recipe,
+                             batched=cls.rule.batched_matrices)
         if not groups:
             raise ValueError("the model has no parameters that require grad")
         return cls(groups, **kwargs)

@@ -95,9 +95,7 @@ class ReferenceMuon(torch.optim.Muon):
     def step(self, closure=None):  # (torch.optim's signature: trainers pass closure=None; none is taken here)
         from torch.optim._muon import _adjust_lr
 
-        from fastoptim.rules import newton_schulz as ns
         for group in self.param_groups:
-            schedule = ns.schedule(group["ns_coefficients"], group["ns_steps"])
             for p in group["params"]:
                 if p.grad is None:
                     continue
@@ -107,20 +105,30 @@ class ReferenceMuon(torch.optim.Muon):
                 buf = state["momentum_buffer"]
                 buf.lerp_(p.grad, 1 - group["momentum"])
                 update = p.grad.lerp(buf, group["momentum"]) if group["nesterov"] else buf
-                x = update.to(self.ns_dtype)
-                if update.size(0) > update.size(1):
-                    x = x.T
-                x = x / x.norm().clamp(min=group["eps"])
-                if schedule and ns.resolve_method(self.ns_method, *x.shape, schedule, x.dtype) == "gram":
-                    x = _gram_newton_schulz(x, schedule)
-                else:
-                    for a, b, c in schedule:
-                        gram = x @ x.T
-                        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
-                if update.size(0) > update.size(1):
-                    x = x.T
+                x = reference_newton_schulz(update, group["ns_coefficients"], group["ns_steps"], group["eps"],
+                                            self.ns_dtype, self.ns_method)
                 p.mul_(1 - group["lr"] * group["weight_decay"])
                 p.add_(x, alpha=-_adjust_lr(group["lr"], group["adjust_lr_fn"], p.shape))
+
+
+def reference_newton_schulz(update, coefficients, steps: int, eps: float, dtype, method: str = "auto"):
+    """torch.optim.Muon's Newton-Schulz of one matrix (a tall one iterated as its transpose, ``addmm``), in
+    ``dtype``, with fastoptim's schedules (a preset's name, one triple per iteration) and Gram iterations."""
+    from fastoptim.rules import newton_schulz as ns
+
+    schedule = ns.schedule(coefficients, steps)
+    x = update.to(dtype)
+    tall = update.size(0) > update.size(1)
+    if tall:
+        x = x.T
+    x = x / x.norm().clamp(min=eps)
+    if schedule and ns.resolve_method(method, *x.shape, schedule, x.dtype) == "gram":
+        x = _gram_newton_schulz(x, schedule)
+    else:
+        for a, b, c in schedule:
+            gram = x @ x.T
+            x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return x.T if tall else x
 
 
 def _gram_newton_schulz(x, schedule):
@@ -157,18 +165,21 @@ def matrix_views(t: torch.Tensor, matrices: str = "auto", split=None) -> list[to
 
 
 class ReferenceMuonRecipe:
-    """The Muon recipe (``fastoptim.factory.muon_groups``) with the oracles: ``ReferenceMuon`` for the hidden
-    matrices, torch's AdamW (single-tensor) for each other group. Takes a model, as ``fastoptim.create`` does.
-    A Muon param that is not one matrix (filters, a batch of matrices, ``split``) is stepped as its
-    ``matrix_views``, each a param of ReferenceMuon's own that shares the param's memory."""
+    """The Muon recipe (``fastoptim.factory.muon_groups``) with the oracles: ``reference`` (``ReferenceMuon``, or
+    the oracle of another rule of matrices: NorMuon's) for the hidden matrices, torch's AdamW (single-tensor) for
+    each other group. Takes a model, as ``fastoptim.create`` does. A Muon param that is not one matrix (filters, a
+    batch of matrices, ``split``) is stepped as its ``matrix_views``, each a param of the oracle's own that shares
+    the param's memory."""
 
     def __init__(self, model, lr=1e-3, adamw_lr=3e-4, adamw_betas=(0.9, 0.95), adamw_eps=1e-8,
-                 weight_decay=0.1, **muon_kwargs):
+                 weight_decay=0.1, reference=ReferenceMuon, **muon_kwargs):
         from fastoptim.factory import muon_groups
 
         self.optimizers = []
         self.views: list[tuple[torch.Tensor, list[torch.nn.Parameter], dict]] = []
-        for group in muon_groups(model, weight_decay, adamw_lr, adamw_betas, adamw_eps):
+        # (an oracle of 2-D matrices only, NorMuon's, gets the recipe that leaves params of 3+ dims to AdamW)
+        batched = getattr(reference, "batched_matrices", True)
+        for group in muon_groups(model, weight_decay, adamw_lr, adamw_betas, adamw_eps, batched=batched):
             params = group.pop("params")
             if group.pop("use_muon", True):
                 layout = {k: group.pop(k, muon_kwargs.get(k, default)) for k, default in
@@ -182,7 +193,7 @@ class ReferenceMuonRecipe:
                     views = [torch.nn.Parameter(v) for v in matrix_views(p.detach(), **layout)]
                     self.views.append((p, views, layout))
                     stepped += views
-                self.optimizers.append(ReferenceMuon(stepped, lr=lr, **group, **kwargs))
+                self.optimizers.append(reference(stepped, lr=lr, **group, **kwargs))
             else:
                 self.optimizers.append(torch.optim.AdamW(params, **group, foreach=False))
 

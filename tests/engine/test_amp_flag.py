@@ -13,7 +13,7 @@ from fastoptim.levels import IMPLS, record_paths
 from fastoptim.reference import reference_class, reference_kwargs
 from fastoptim.registry import OPTIMIZERS
 
-from conftest import assert_params_close, clone_params, shape_for
+from conftest import FLAT, assert_params_close, clone_params, shape_for
 
 
 def _params(name, seed=0):
@@ -36,7 +36,7 @@ def test_the_flag_is_false_on_the_cpu(monkeypatch, name, impl):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     opt = OPTIMIZERS[name].cls(_params(name), impl=impl)
     assert opt._step_supports_amp_scaling is False
-    flat = OPTIMIZERS[name].cls(_params(name), impl=impl, flat=name != "adafactor", state_bits=8, min_quant_size=1)
+    flat = OPTIMIZERS[name].cls(_params(name), impl=impl, flat=name in FLAT, state_bits=8, min_quant_size=1)
     assert flat._step_supports_amp_scaling is False
 
 

@@ -182,7 +182,7 @@ def _direct(name, model, weight_decay, **kwargs):
     if name == "rprop":  # (timm's weight_decay=0 dropped)
         groups = [{"params": g["params"]} for g in groups]
         return OPTIMIZERS[name].cls(groups, lr=1e-2, **kwargs)
-    if name == "muon":  # matrices with both dims above 1 on Muon; the rest on AdamW
+    if OPTIMIZERS[name].params == "matrices":  # matrices with both dims above 1 on (Nor)Muon; the rest on AdamW
         routed = []
         for g in groups:
             routed += [{**g, "params": [p for p in g["params"] if p.dim() == 2]},

@@ -17,7 +17,7 @@ from fastoptim.rules.base import RULES, PerTensor
 # the stage's scalars unbound before its orthogonalisation (eager: Newton-Schulz and the blocks' shapes), per
 # batch of one or more.
 GRAPHS = {name: 1 for name in OPTIMIZERS}
-GRAPHS.update(lamb=3, adafactor=3, muon=4)
+GRAPHS.update(lamb=3, adafactor=3, muon=4, normuon=8)
 
 
 def _unique_graphs() -> int:

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from conftest import (CASES, DEVICES, ELEMENTWISE, FLAT, MATRIX, assert_params_close, assert_state_close, clone_params,
-                      make_params, param_atol, set_grads, shape_for, two_groups)
+                      make_params, param_atol, set_grads, shape_for, state_rtol, two_groups)
 from fastoptim.levels import IMPLS, LEVELS, record_paths, uses_triton
 from fastoptim.paths.torch_fused import TorchFused
 from fastoptim.registry import OPTIMIZERS
@@ -83,7 +83,7 @@ def _run_against_reference(name, index, level, device, steps, none_every, flat=F
         ours.step()
         for i, (a, b) in enumerate(zip(ours_p, expected[step - 1][0], strict=True)):
             torch.testing.assert_close(a, b, atol=atol, rtol=1e-5, msg=lambda m: f"step {step}, param {i}: {m}")
-    _assert_state_close(ours, ours_p, expected[-1][1], atol=1e-6, rtol=1e-5)
+    _assert_state_close(ours, ours_p, expected[-1][1], atol=1e-6, rtol=state_rtol(name, opts))
 
 
 @pytest.mark.sample(("name", "index"), ("name", "level"))

@@ -34,8 +34,9 @@ CASES = [(s, n) for s in SCHEDULERS for n in ("sgd", "adam", "adamw", "rmsprop",
 CASES += [(s, n) for s in ("CyclicLR", "ExponentialLR") for n in ("adamax", "adadelta", "radam", "nadam", "rprop",
                                                                    "asgd")]
 CASES += [("OneCycleLR", n) for n in ("adamax", "radam", "nadam")]  # (NAdam's mu_product keeps each beta1 it saw)
-# Muon: the cyclers cycle its momentum, as for torch.optim.Muon (its defaults do not list the AdamW groups' betas)
-CASES += [(s, "muon") for s in ("OneCycleLR", "CyclicLR", "ExponentialLR")]
+# Muon and NorMuon: the cyclers cycle their momentum, as for torch.optim.Muon (their defaults do not list the AdamW
+# groups' betas)
+CASES += [(s, n) for s in ("OneCycleLR", "CyclicLR", "ExponentialLR") for n in ("muon", "normuon")]
 CASES += [(s, "adafactor") for s in ("CyclicLR", "ExponentialLR")]
 
 

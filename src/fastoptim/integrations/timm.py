@@ -18,11 +18,12 @@ RMSprop, Muon), ``eps`` and ``betas`` only where the optimizer takes them (a flo
 Two adapters make that work:
 
 * Rprop takes no weight decay: timm's ``weight_decay=0`` (and groups' 0) are dropped, another value refused;
-* Muon routes params as timm's Muon does: matrices with two dims above 1, and params of 3+ dims whose first
+* Muon (and NorMuon) routes params as timm's Muon does: matrices with two dims above 1, and params of 3+ dims whose first
   two dims are above 1 (conv weights; not position tables (1, n, d), layer scales (d, 1, 1) or depthwise
   filters (c, 1, k, k)), to Muon; the others, and groups timm marks ``use_fallback`` (its ``fallback_list=``),
   to AdamW (``use_muon=False``). Params of 3+ dims are flattened to (d0, d1 * ...), as timm's Muon flattens
-  them (``matrices="flatten"`` in a group of their own). Nothing else goes to AdamW by name: pass
+  them (``matrices="flatten"`` in a group of their own); NorMuon, which steps 2-D matrices only, leaves them to
+  AdamW. Nothing else goes to AdamW by name: pass
   ``fallback_list=["head*"]`` (or the model's head names) to keep the output layer on AdamW, as with timm's
   Muon.
 """
@@ -121,6 +122,8 @@ def _dims(p) -> int:
 
 
 def _routing_like_timm_muon(cls: type) -> Callable:
+    batched = cls.rule.batched_matrices
+
     def make(params, **kwargs):
         routed = []
         for group in _groups(params):
@@ -129,8 +132,8 @@ def _routing_like_timm_muon(cls: type) -> Callable:
             settings = {k: v for k, v in group.items() if k not in ("params", "use_fallback")}
             muon = not group.get("use_fallback", False) and settings.get("use_muon", True)
             matrices = [p for p in members if muon and _on_muon(p) and _dims(p) == 2]
-            filters = [p for p in members if muon and _on_muon(p) and _dims(p) > 2]  # (timm flattens them)
-            rest = [p for p in members if not (muon and _on_muon(p))]
+            filters = [p for p in members if batched and muon and _on_muon(p) and _dims(p) > 2]  # (timm flattens)
+            rest = [p for p in members if not any(p is q for q in matrices + filters)]
             routed += [{**settings, "params": matrices}] if matrices else []
             routed += [{**settings, "params": filters, "matrices": "flatten"}] if filters else []
             routed += [{**settings, "params": rest, "use_muon": False}] if rest else []

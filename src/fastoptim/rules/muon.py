@@ -206,6 +206,8 @@ class MuonRule(Rule):
         dict(lr=2e-2, ns_steps=4, ns_coefficients=[(3.0, -3.2, 1.2), (2.0, -1.5, 0.5)], ns_dtype="float32"),
     )
     takes = "matrices"
+    # params of 3+ dims too (batches of matrices, filters): the recipes route them here
+    batched_matrices = True
     curves_options = dict(lr=0.02)
     tensor_hypers = ("lr", "momentum", "weight_decay")
     defaults = dict(lr=1e-3, weight_decay=0.1, momentum=0.95, nesterov=True,
@@ -244,6 +246,9 @@ class MuonRule(Rule):
             raise ValueError(f"Invalid adjust_lr_fn: {group['adjust_lr_fn']!r} (must be one of {ADJUST_LR_FNS})")
         if group["ns_dtype"] not in NS_DTYPES:
             raise ValueError(f"Invalid ns_dtype: {group['ns_dtype']!r} (must be one of {tuple(NS_DTYPES)})")
+        self.validate_layout(group)
+
+    def validate_layout(self, group):
         check_matrices(group["matrices"])
         check_split(group["split"])
 
