@@ -133,13 +133,13 @@ def reference_newton_schulz(update, coefficients, steps: int, eps: float, dtype,
 
 def _gram_newton_schulz(x, schedule):
     """Gram Newton-Schulz on a wide matrix, literally: R = X X^T, B = a I + b R + c R^2, Q <- B Q, R <- B R B,
-    and before iteration ``restart_at`` X <- Q X, R <- X X^T, Q <- I; the result Q X."""
-    from fastoptim.rules.newton_schulz import restart_at
+    and before each iteration of ``restarts`` X <- Q X, R <- X X^T, Q <- I; the result Q X."""
+    from fastoptim.rules.newton_schulz import restarts
 
     eye = torch.eye(x.shape[0], dtype=x.dtype)
     r, q = x @ x.T, eye
     for i, (a, b, c) in enumerate(schedule):
-        if i == restart_at(schedule):
+        if i in restarts(schedule):
             x = q @ x
             r, q = x @ x.T, eye
         poly = torch.addmm(r, r, r, beta=b, alpha=c) + a * eye

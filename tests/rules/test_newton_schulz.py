@@ -116,7 +116,8 @@ def test_no_iterations_and_empty_matrices():
 
 def test_the_restart_comes_once_the_schedule_lifts_small_singular_values():
     # Polar Express's steep first polynomials lift 1e-3 past the floor in 2 iterations, torch's in 3
-    assert ns.restart_at(ns.schedule("polar_express", 5)) == 2
-    assert ns.restart_at(ns.schedule("keller", 5)) == 3
-    assert ns.restart_at(ns.schedule("keller", 3)) is None  # (not before the last iteration: nothing follows)
-    assert ns.restart_at(((1.0, 0.0, 0.0),) * 6) is None
+    assert ns.restarts(ns.schedule("polar_express", 5)) == {2, 4}
+    assert ns.restarts(ns.schedule("polar_express", 8)) == {2, 4, 6}
+    assert ns.restarts(ns.schedule("keller", 5)) == {3}
+    assert ns.restarts(ns.schedule("keller", 3)) == set()  # (not before the last iteration: nothing follows)
+    assert ns.restarts(((1.0, 0.0, 0.0),) * 6) == set()

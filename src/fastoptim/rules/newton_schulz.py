@@ -10,11 +10,12 @@ Each iteration maps every singular value s of X to p(s) = a s + b s^3 + c s^5, i
   B = a I + b R + c R^2, the iteration is X <- B X, so after k of them X_k = Q_k X_0 with Q_k = B_k ... B_0, and
   R_{k+1} = B_k R_k B_k. Only the first Gram (X_0 X_0^T) and the last product (Q X_0) touch the m x n matrix: per
   iteration 8 m^3 instead of 4 m^2 n + 2 m^3, cheaper where n > 1.5 m. In bf16 the iterated R drifts (its small
-  eigenvalues sit under bf16's resolution and go negative), so the iteration *restarts* once (``restart_at``):
+  eigenvalues sit under bf16's resolution and go negative), so the iteration *restarts* (``restarts``):
   X <- Q X, R <- X X^T, Q <- I, two more m x n products. Restarting too early leaves the smallest singular values
-  still under R's resolution, too late lets the first, steep polynomials amplify R's drift: the restart comes
-  after the first iteration that lifts the smallest singular values the schedule is made for (1e-3 of the
-  largest) past ``RESTART_FLOOR`` (docs/muon-adafactor.md has the measured table).
+  still under R's resolution, too late lets the first, steep polynomials amplify R's drift: the first restart
+  comes after the first iteration that lifts the smallest singular values the schedule is made for (1e-3 of the
+  largest) past ``RESTART_FLOOR``, and then every as many iterations (with one restart only, Polar Express's
+  worst singular value in bf16 came out up to 0.89 from 1 where torch's is 0.52: docs/muon-adafactor.md).
 * ``auto``: ``gram`` where it takes fewer FLOPs for the matrix's shape (``gram_is_cheaper``) and the iterations
   run in fp32, where it is as accurate as the standard form (to rounding); ``standard`` in bf16, where Gram
   iterations with torch's coefficients came out up to 5% further from the polar factor than standard ones on
@@ -39,10 +40,10 @@ from ..eager import eager
 
 KELLER = (3.4445, -4.7750, 2.0315)
 METHODS = ("auto", "standard", "gram")
-# Gram iterations restart once the schedule has lifted singular values of 1e-3 past this (measured in bf16 on
-# low-rank-plus-noise matrices: Polar Express restarts after 2 iterations, torch's coefficients after 3; one
-# iteration later, Polar Express's steep first polynomials blew R's drift up; one earlier, either lost the
-# small singular values: docs/muon-adafactor.md)
+# Gram iterations restart once the schedule has lifted singular values of 1e-3 past this, and as often again
+# (measured in bf16 on low-rank-plus-noise matrices: Polar Express restarts after 2 iterations, torch's
+# coefficients after 3; one iteration later, Polar Express's steep first polynomials blew R's drift up; one
+# earlier, either lost the small singular values: docs/muon-adafactor.md)
 RESTART_FLOOR = 0.03
 SMALLEST = 1e-3
 
@@ -124,15 +125,15 @@ def check_coefficients(coefficients) -> None:
 
 
 @functools.lru_cache(maxsize=None)
-def restart_at(coefficients: tuple) -> int | None:
-    """The iteration a Gram iteration restarts before (None: never): the one after the first that takes
-    singular values of ``SMALLEST`` past ``RESTART_FLOOR``."""
+def restarts(coefficients: tuple) -> frozenset[int]:
+    """The iterations Gram iterations restart before: every k-th, k the number of iterations that takes singular
+    values of ``SMALLEST`` past ``RESTART_FLOOR`` (none where the schedule never does)."""
     s = SMALLEST
-    for i, (a, b, c) in enumerate(coefficients[:-1]):
+    for k, (a, b, c) in enumerate(coefficients[:-1], 1):
         s = a * s + b * s ** 3 + c * s ** 5
         if s >= RESTART_FLOOR:
-            return i + 1
-    return None
+            return frozenset(range(k, len(coefficients), k))
+    return frozenset()
 
 
 def standard_cost(m: int, n: int, steps: int) -> int:
@@ -144,14 +145,13 @@ def gram_cost(m: int, n: int, coefficients: tuple) -> int:
     """FLOPs of Gram iterations on an m x n matrix (m <= n): the Gram and the final product (2 m^2 n each), at
     the restart the same two again, per iteration R^2 and B Q (2 m^3 each; the first iteration after a start has
     Q = B, free) and, unless the next one restarts or none follows, B R B (4 m^3)."""
-    restart, steps = restart_at(coefficients), len(coefficients)
+    starts, steps = restarts(coefficients) | {0}, len(coefficients)
     total = 4 * m * m * n
     for i in range(steps):
-        start = i in (0, restart)
-        if i and start:
+        if i and i in starts:
             total += 4 * m * m * n
-        total += 2 * m ** 3 * (1 + (not start))
-        if i + 1 < steps and i + 1 != restart:
+        total += 2 * m ** 3 * (1 + (i not in starts))
+        if i + 1 < steps and i + 1 not in starts:
             total += 4 * m ** 3
     return total
 
@@ -229,15 +229,15 @@ def _gram(x, coefficients: tuple):
     def apply(q, x):
         return x @ q if tall else q @ x
 
-    restart = restart_at(coefficients)
+    starts = restarts(coefficients)
     r, q = gram_of(x), None
     for i, (a, b, c) in enumerate(coefficients):
-        if i and i == restart:  # the iterate from X itself
+        if i in starts:  # the iterate from X itself
             x = apply(q, x)
             r, q = gram_of(x), None
         poly = torch.baddbmm(r, r, r, beta=b, alpha=c)
         poly.diagonal(dim1=-2, dim2=-1).add_(a)  # B = a I + b R + c R^2
         q = poly if q is None else poly @ q
-        if i + 1 < len(coefficients) and i + 1 != restart:
+        if i + 1 < len(coefficients) and i + 1 not in starts:
             r = poly @ r @ poly
     return apply(q, x)

@@ -100,7 +100,9 @@ class NorMuonRule(MuonRule):
              ns_dtype="float32", maximize=True),
         dict(lr=2e-2, ns_steps=3, ns_coefficients=(2.0, -1.5, 0.5), eps=1e-5, adjust_lr_fn="original",
              norm_eps=1e-3, beta2=0.0, ns_dtype="float32"),
-        dict(lr=2e-2, ns_coefficients="polar_express", ns_method="gram", ns_dtype="float32"),
+        # (Gram iterations are Muon's: its option sets run them; a per-row second moment of tiny updates would
+        # read their rounding apart from the oracle's as a state mismatch)
+        dict(lr=2e-2, ns_coefficients="polar_express", ns_method="standard", ns_dtype="float32"),
     )
     curves_options = dict(lr=0.02)
     tensor_hypers = ("lr", "momentum", "weight_decay", "beta2")
