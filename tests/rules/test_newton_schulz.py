@@ -121,3 +121,31 @@ def test_the_restart_comes_once_the_schedule_lifts_small_singular_values():
     assert ns.restarts(ns.schedule("keller", 5)) == {3}
     assert ns.restarts(ns.schedule("keller", 3)) == set()  # (not before the last iteration: nothing follows)
     assert ns.restarts(((1.0, 0.0, 0.0),) * 6) == set()
+
+
+def _low_rank_plus_noise(m, n, seed, noise=0.05, rank=16):
+    g = torch.Generator().manual_seed(seed)
+    low = torch.randn(m, rank, generator=g) @ torch.diag(torch.logspace(0, -1.5, rank)) @ torch.randn(
+        rank, n, generator=g)
+    return low / low.norm() + noise * torch.randn(m, n, generator=g) / (m * n) ** 0.5
+
+
+def _worst_singular_value(out):
+    wide = out.double() if out.shape[-2] <= out.shape[-1] else out.double().mT
+    return torch.linalg.matrix_norm(wide @ wide.mT - torch.eye(wide.shape[-2], dtype=torch.float64), ord=2).max().item()
+
+
+@pytest.mark.parametrize("shape", [(1024, 256), (256, 1024)])
+def test_polar_express_by_gram_in_bf16_is_closer_than_torch_muon_on_gradient_like_matrices(shape):
+    """Low-rank plus noise (most singular values tiny) is where bf16 Gram iterations drift: with a restart after
+    iteration 2 only, the worst singular value came out 0.89 from 1 (torch's: 0.52); restarting every 2 keeps
+    it as close as the standard method's."""
+    from torch.optim._muon import _zeropower_via_newtonschulz
+
+    x = _low_rank_plus_noise(*shape, seed=0)
+    torch_out = _zeropower_via_newtonschulz(x, ns.KELLER, 5, 1e-7)
+    gram = ns.newton_schulz(x[None], ns.schedule("polar_express", 5), 1e-7, torch.bfloat16, "gram")[0]
+    standard = ns.newton_schulz(x[None], ns.schedule("polar_express", 5), 1e-7, torch.bfloat16, "standard")[0]
+    assert _polar_distance(x, gram) < _polar_distance(x, torch_out)
+    assert _worst_singular_value(gram) < 0.7 * _worst_singular_value(torch_out)
+    assert _worst_singular_value(gram) < 1.15 * _worst_singular_value(standard)
