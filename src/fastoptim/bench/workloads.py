@@ -6,7 +6,15 @@ import math
 
 import torch
 
-WORKLOADS = ("mlp2000", "gpt", "flat")
+WORKLOADS = ("mlp2000", "gpt", "flat", "rect4k", "square1k", "gpt256")
+
+# matrix sets for Muon's Newton-Schulz (its cost grows with the short side and the aspect ratio): four 1 x 4
+# matrices, four square ones, and the eight matrices of two GPT blocks at width 256
+MATRIX_SETS = {
+    "rect4k": [(4096, 1024)] * 2 + [(1024, 4096)] * 2,
+    "square1k": [(1024, 1024)] * 4,
+    "gpt256": [(768, 256), (256, 256), (1024, 256), (256, 1024)] * 2,
+}
 
 
 def mlp2000_shapes() -> list[tuple[int, ...]]:
@@ -66,6 +74,8 @@ def shapes_for(name: str, n_params: int) -> list[tuple[int, ...]]:
         return gpt_shapes(n_params)
     if name == "flat":
         return [(n_params,)]
+    if name in MATRIX_SETS:
+        return list(MATRIX_SETS[name])
     raise ValueError(f"Unknown workload {name!r}; valid: {', '.join(WORKLOADS)}")
 
 
