@@ -78,11 +78,12 @@ def references(spec: registry.OptimizerSpec) -> list[tuple[str, dict]]:
 PARAM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-def _optimizer_kwargs(name: str, lr: float | None = None) -> dict:
+def _optimizer_kwargs(name: str, lr: float | None = None, options: dict | None = None) -> dict:
+    """The rule's settings on this task, ``lr`` over its lr, then a variant's own ``options`` over both."""
     kwargs = dict(registry.get(name).cls.rule.curves_options)
     if lr is not None:
         kwargs["lr"] = lr
-    return kwargs
+    return {**kwargs, **(options or {})}
 
 
 def train(name: str, make_optimizer, steps: int, seed: int, batch_size: int = 64, context: int = 8,
@@ -131,22 +132,27 @@ def _run_label(run: dict) -> str:
 def run(optimizers: list[str], impls: list[str], flat_impls: list[str], steps: int = 200,
         seed: int = 0, progress=lambda: None, state_bits=(), roundings=(), lr: float | None = None) -> list[Curve]:
     """The references' curves and every run of ``precision_runs`` for each optimizer; ``lr`` replaces each
-    optimizer's default learning rate (``LEARNING_RATES``)."""
+    optimizer's default learning rate (``LEARNING_RATES``). An optimizer may be a variant with options of its
+    own, ``muon[ns_coefficients=polar_express,ns_method=gram]`` (``registry.parse_variant``): its references
+    and levels all take them, and its curves carry that text as their optimizer. A rule whose states are not
+    param-shaped (NorMuon, Adafactor) gets no flat runs (flat=True refuses it)."""
     for bits in state_bits:
         storage.check_state_bits(bits)
     for rounding in roundings:
         storage.rounding.check_rounding(rounding)
     if lr is not None and not lr > 0:
         raise ValueError(f"Invalid learning rate: {lr!r} (must be > 0)")
+    variants = [(text, *registry.parse_variant(text)) for text in optimizers]  # (every name checked first)
     curves = []
-    for name in optimizers:
-        spec = registry.get(name)
-        kwargs = _optimizer_kwargs(name, lr)
+    for name, rule_name, options in variants:
+        spec = registry.get(rule_name)
+        kwargs = _optimizer_kwargs(rule_name, lr, options)
+        flats = flat_impls if spec.takes_flat() else []
         for label, extra in references(spec):
             curves.append(Curve(name, label, train(
                 name, lambda m, extra=extra: _reference(spec, m, kwargs, extra), steps, seed), reference=True))
             progress()
-        for r in precision_runs(impls, flat_impls, state_bits, roundings):
+        for r in precision_runs(impls, flats, state_bits, roundings):
             settings = dict(impl=r["impl"], flat=r["flat"], state_bits=r["state_bits"], rounding=r["rounding"])
             with levels.own_paths():  # each row is the level it names, not the path it would route to
                 losses = train(name, lambda m, settings=settings: _ours(spec, m, settings, kwargs),
@@ -259,14 +265,16 @@ def plot(curves: list[Curve], path: str) -> None:
                     linestyle=":" if fp64 else "--" if c.reference else "-",
                     color="grey" if fp64 else "black" if c.reference else None,
                     zorder=1 if c.reference else 2, alpha=0.9)
-        ax.set_title(f"{name}: next-byte loss (pydoc text)", fontsize=10)
+        sep = "\n" if len(name) > 20 else " "  # (a variant's options take a line of their own)
+        ax.set_title(f"{name}:{sep}next-byte loss (pydoc text)", fontsize=10)
     if precision:
         for ax, name in zip(axes[1], names):
             levels_with_runs = {c.level for c in curves if c.optimizer == name and not c.full_precision}
             for c in (c for c in curves if c.optimizer == name and c.level in levels_with_runs):
                 ax.plot(c.losses, label=c.label, linewidth=2 if c.full_precision else 1,
                         linestyle="--" if c.full_precision else "-", alpha=0.9)
-            ax.set_title(f"{name}: low-bit state and bf16 params vs 32-bit fp32", fontsize=10)
+            sep = "\n" if len(name) > 20 else " "
+            ax.set_title(f"{name}:{sep}low-bit state and bf16 params vs 32-bit fp32", fontsize=10)
     for ax in axes.flat:
         ax.set_xlabel("step")
         ax.set_ylabel("cross-entropy")

@@ -58,9 +58,68 @@ def test_bench_muon_reports_newton_schulz_flops_and_the_gemm_rate(tmp_path):
     assert ns["flops_per_step"] > 0 and ns["gemm_gflops"] > 0 and ns["dtype"] in ("bfloat16", "float32")
     labels = {row["label"] for row in result["rows"]}
     assert "torch loop" in labels  # torch.optim.Muon beside ours
-    assert set(ns["rows"]) == labels - {"flat floor"}
+    assert set(ns["rows"]) == labels - {"flat floor", "fastoptim AdamW fused"}  # (those run no Newton-Schulz)
     for rate in ns["rows"].values():
         assert rate["gflops"] > 0 and rate["of_gemm_rate"] == rate["gflops"] / ns["gemm_gflops"]
+
+
+def test_bench_muon_rows_per_newton_schulz_method_with_their_flops_beside_adamw(tmp_path, capsys):
+    """Muon's family gets the fused level once per preset and method, each with its own FLOPs (the cost
+    functions'), its rate and its time over fused AdamW's on the same matrices; NorMuon, whose row moments
+    flat=True cannot hold, gets no flat rows."""
+    from fastoptim.bench import newton_schulz_flops
+    from fastoptim.rules import newton_schulz as ns
+    from fastoptim.rules.muon import fast_matmul_dtype
+
+    out_json = tmp_path / "m.json"
+    assert main(["bench", "--quick", "-w", "tiny_model:make", "-o", "muon", "normuon", "--impl", "fused", "--flat",
+                 "fused", "--peers", "torch", "--no-schedulers", "--threads", "1", "--json", str(out_json)]) == 0
+    shapes = [(100, 32), (64, 32), (100, 64)]  # tiny_model's matrices (the embedding's too), oriented wide below
+    assert json.loads(out_json.read_text())["config"]["workload"] == ["tiny_model:make"]
+    dtype = fast_matmul_dtype("cpu")
+    methods = [f"{preset}/{method}" for preset in ns.PRESETS for method in ("standard", "gram")]
+    for result in json.loads(out_json.read_text())["results"]:
+        by_label = {r["label"]: r for r in result["rows"]}
+        assert all(r["error"] is None for r in result["rows"])
+        info = result["newton_schulz"]
+        assert info["adamw_row"] == "fastoptim AdamW fused" and info["fused_row"] == "fastoptim fused"
+        assert info["adamw_ms"] == by_label["fastoptim AdamW fused"]["median_ms"]
+        assert set(info["rows"]) == set(by_label) - {"flat floor", "fastoptim AdamW fused"}
+        assert {f"fastoptim fused {m}" for m in methods} <= set(info["rows"])
+        assert ("fastoptim fused flat" in by_label) == (result["optimizer"] == "muon")
+        assert ("torch loop" in by_label) == (result["optimizer"] == "muon")  # (torch has no NorMuon)
+        for label, rate in info["rows"].items():
+            coefficients, method = rate["method"].split(":")[0].split("/")
+            schedule = ns.schedule(coefficients, 5)
+            # the cost functions' count for the method each matrix takes (m <= n)
+            costs = [(ns.gram_cost(m, n, schedule) if ns.resolve_method(method, m, n, schedule, dtype) == "gram"
+                      else ns.standard_cost(m, n, 5)) for m, n in (sorted(s) for s in shapes)]
+            assert rate["flops_per_step"] == sum(costs) == newton_schulz_flops(shapes, 5, coefficients, method, dtype)
+            row = by_label[label]
+            assert rate["gflops"] == rate["flops_per_step"] / row["median_ms"] / 1e6
+            assert rate["vs_adamw"] == row["median_ms"] / info["adamw_ms"]
+        for method in methods:
+            assert info["rows"][f"fastoptim fused {method}"]["method"] == method
+        gram, standard = (info["rows"][f"fastoptim fused keller/{m}"]["flops_per_step"] for m in ("gram", "standard"))
+        assert gram < standard  # (the tiny model's matrices are wide enough for Gram iterations to pay)
+        assert info["flops_per_step"] == info["rows"]["fastoptim fused"]["flops_per_step"]
+    out = capsys.readouterr().out
+    assert "NS GFLOP/step" in out and "x AdamW fused" in out and "fastoptim fused polar_express/gram" in out
+    assert "fastoptim AdamW fused on the same params" in out
+
+
+def test_newton_schulz_flops_follow_the_method_auto_takes():
+    from fastoptim.bench import newton_schulz_flops
+    from fastoptim.rules import newton_schulz as ns
+
+    shapes = [(256, 64), (64, 80), (512, 512)]  # Gram pays on the first only
+    schedule = ns.schedule("keller", 5)
+    standard = [ns.standard_cost(*sorted(s), 5) for s in shapes]
+    assert newton_schulz_flops(shapes, 5) == sum(standard)  # (the standard count, as before)
+    fp32 = newton_schulz_flops(shapes, 5, "keller", "auto", torch.float32)
+    assert fp32 == ns.gram_cost(64, 256, schedule) + sum(standard[1:]) < sum(standard)
+    assert newton_schulz_flops(shapes, 5, "keller", "auto", torch.bfloat16) == sum(standard)  # auto: standard in bf16
+    assert newton_schulz_flops(shapes, 0, "keller", "gram") == 0
 
 
 def test_bench_a_users_module_with_installed_peers(tmp_path):
@@ -138,6 +197,48 @@ def test_curves_low_bit_state_and_bf16_params_beside_the_32_bit_run(tmp_path, ca
     assert (gaps["fused 8-bit state"]["state_bits"], gaps["fused bf16 params, stochastic"]["params"]) == (8, "bf16")
     out = capsys.readouterr().out
     assert "fused bf16 params, stochastic" in out and f"{gaps['fused 8-bit state']['gap_percent']:+.2f}%" in out
+
+
+def test_curves_variant_options_reach_the_optimizer_and_its_reference(tmp_path, monkeypatch, capsys):
+    """``-o 'muon[ns_coefficients=polar_express,ns_method=gram]'``: the options reach the level's optimizer and the
+    reference's, the curves carry the text as written, and NorMuon (row moments) gets no flat run. No training:
+    each run builds its optimizer on the model and returns a made-up curve."""
+    from fastoptim import curves, registry
+    from fastoptim.cli import build_parser
+    from fastoptim.reference import ReferenceMuon
+
+    variant = "muon[ns_coefficients=polar_express,ns_method=gram]"
+    assert build_parser().parse_args(["curves", "-o", "adamw", variant]).optimizer == ["adamw", variant]
+    assert registry.parse_variant("muon[ns_coefficients=(2.0, -1.5, 0.5), ns_steps=3]") == (
+        "muon", {"ns_coefficients": (2.0, -1.5, 0.5), "ns_steps": 3})
+    built = []
+
+    def train(name, make_optimizer, steps, seed, **kwargs):
+        built.append((name, make_optimizer(curves.ByteMLP())))
+        return [2.0] * steps
+
+    monkeypatch.setattr(curves, "train", train)
+    monkeypatch.setattr(curves, "plot", lambda result, path: None)
+    out_json = tmp_path / "c.json"
+    assert main(["curves", "-o", variant, "normuon[ns_steps=3]", "--impl", "fused", "--steps", "2",
+                 "--out", str(tmp_path / "c.png"), "--json", str(out_json)]) == 0
+    ours = [(name, opt) for name, opt in built if isinstance(opt, registry.get(name.split("[")[0]).cls)]
+    assert [name for name, _ in ours] == [variant, variant, "normuon[ns_steps=3]"]  # fused, fused flat, fused
+    for name, opt in ours:
+        (group,) = [g for g in opt.param_groups if g["use_muon"]]
+        assert group["lr"] == 0.02 and (
+            (group["ns_coefficients"], group["ns_method"]) == ("polar_express", "gram") if name == variant
+            else group["ns_steps"] == 3)
+    reference = next(opt for name, opt in built if name == variant and not isinstance(opt, registry.get("muon").cls))
+    (oracle,) = [o for o in reference.optimizers if isinstance(o, ReferenceMuon)]
+    assert oracle.param_groups[0]["ns_coefficients"] == "polar_express" and oracle.ns_method == "gram"
+    data = json.loads(out_json.read_text())
+    assert {(d["optimizer"], d["curve"]) for d in data["differences"]} == {
+        (variant, "fused"), (variant, "fused flat"), ("normuon[ns_steps=3]", "fused")}
+    capsys.readouterr()
+    with pytest.raises(SystemExit):  # the rule's own message, before anything runs
+        main(["curves", "-o", "muon[ns_method=fast]"])
+    assert "Invalid ns_method: 'fast'" in capsys.readouterr().err
 
 
 def test_curves_refuses_a_bad_lr(capsys):

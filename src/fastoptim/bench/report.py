@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from .. import registry
-from .runner import Row
+from .runner import ADAMW_LABEL, Row
 
 SCHEMA_VERSION = 1
 # HBM bandwidth, bytes/s, for the paper estimate of a GPU step
@@ -32,19 +32,34 @@ def ratios(rows: list[Row]) -> tuple[float, float]:
     return floor, fused
 
 
+def _newton_schulz(matmul: dict, rows: list[Row]) -> dict[str, Any]:
+    """``matmul`` with each Newton-Schulz row's method, FLOPs (``Row.flops``), achieved rate and time over the
+    AdamW row's (``runner.ADAMW_LABEL``: fused AdamW on the same params)."""
+    adamw = next((r for r in rows if r.label.startswith(ADAMW_LABEL) and not r.error), None)
+    adamw_ms = adamw.median_ms if adamw else math.nan
+
+    def rate(r):
+        gflops = r.flops / r.median_ms / 1e6
+        return {"method": r.method, "flops_per_step": r.flops, "gflops": gflops,
+                "of_gemm_rate": gflops / matmul["gemm_gflops"],
+                "vs_adamw": r.median_ms / adamw_ms if adamw_ms == adamw_ms else None}
+
+    # the fused level with the default settings: the first such row (the method rows follow the levels')
+    fused = next((r for r in rows if r.impl == "fused" and r.flops is not None and not r.error), None)
+    return {**matmul, "adamw_row": _label(adamw) if adamw else None, "adamw_ms": adamw.median_ms if adamw else None,
+            "fused_row": _label(fused) if fused else None,
+            "rows": {_label(r): rate(r) for r in rows if not r.error and r.flops is not None}}
+
+
 def to_dict(workload: str, optimizer: str, n_params: int, n_tensors: int, rows: list[Row],
             matmul: dict | None = None) -> dict[str, Any]:
-    """``matmul``: for Muon, the Newton-Schulz FLOPs per step and the measured GEMM rate on its matrices (each
-    row then gets its achieved rate)."""
+    """``matmul``: for Muon's family, the Newton-Schulz FLOPs per step with the default settings and the measured
+    GEMM rate on its matrices; each row that runs Newton-Schulz then gets its own FLOPs (``Row.flops``), its
+    achieved rate and its time over fused AdamW's on the same params."""
     floor, fused = ratios(rows)
     bpp = bytes_per_param(optimizer)
     return {
-        "newton_schulz": None if matmul is None else {
-            **matmul, "rows": {_label(r): {"gflops": matmul["flops_per_step"] / r.median_ms / 1e6,
-                                           "of_gemm_rate": matmul["flops_per_step"] / r.median_ms / 1e6
-                                           / matmul["gemm_gflops"]}
-                               for r in rows if not r.error and r.library in ("fastoptim", "torch")
-                               and r.label != "flat floor"}},
+        "newton_schulz": None if matmul is None else _newton_schulz(matmul, rows),
         "workload": workload, "optimizer": optimizer, "params": n_params, "tensors": n_tensors,
         "bytes_per_param": bpp,
         "gpu_estimate_ms": {gpu: bpp * n_params / bw * 1e3 for gpu, bw in GPU_BANDWIDTH.items()},
@@ -63,8 +78,10 @@ def to_dict(workload: str, optimizer: str, n_params: int, n_tensors: int, rows: 
 
 
 # the paths each level runs as its own (the fused level picks among several by device and dtype)
-OWN_PATHS = {"loop": {"loop"}, "foreach": {"foreach"}, "compiled": {"compiled"},
-             "fused": {"triton", "triton_stored", "torch_fused", "cpu_kernel", "compiled", "foreach"}}
+# (per-tensor stages: the loop level runs them one tensor at a time, foreach and fused batched, compiled compiled)
+OWN_PATHS = {"loop": {"loop", "stage_loop"}, "foreach": {"foreach", "stage_batched"},
+             "compiled": {"compiled", "stage_compiled"},
+             "fused": {"triton", "triton_stored", "torch_fused", "cpu_kernel", "compiled", "foreach", "stage_batched"}}
 
 
 def _label(row) -> str:
@@ -113,16 +130,32 @@ def _fmt(x: float | None, spec: str) -> str:
 
 
 def table_rows(result: dict) -> list[list[str]]:
-    return [[r["label"], f"error: {r['error']}"] + [""] * (len(HEADERS) - 2) if r["error"] else
-            [r["label"], _fmt(r["median_ms"], ".2f"), f"{_fmt(r['min_ms'], '.2f')}-{_fmt(r['max_ms'], '.2f')}",
-             _fmt(r["vs_torch_fused"], ".2f"), _fmt(r["vs_flat_floor"], ".2f"), _fmt(r["state_mib"], ".1f"),
-             _fmt(r["state_bytes_per_param"], ".3f"), _fmt(r["peak_mib"], ".1f"), _fmt(r["first_step_ms"], ".1f")]
+    ns = result.get("newton_schulz")
+    width = len(columns(result))
+
+    def row(r):
+        cells = [r["label"], _fmt(r["median_ms"], ".2f"), f"{_fmt(r['min_ms'], '.2f')}-{_fmt(r['max_ms'], '.2f')}",
+                 _fmt(r["vs_torch_fused"], ".2f"), _fmt(r["vs_flat_floor"], ".2f"), _fmt(r["state_mib"], ".1f"),
+                 _fmt(r["state_bytes_per_param"], ".3f"), _fmt(r["peak_mib"], ".1f"), _fmt(r["first_step_ms"], ".1f")]
+        if ns:
+            rate = ns["rows"].get(r["label"], {})
+            cells += [_fmt(rate.get("flops_per_step", math.nan) / 1e9, ".3g"), _fmt(rate.get("gflops"), ".1f"),
+                      _fmt(rate.get("vs_adamw"), ".1f")]
+        return cells
+
+    return [[r["label"], f"error: {r['error']}"] + [""] * (width - 2) if r["error"] else row(r)
             for r in result["rows"]]
 
 
 # peak over p+g: tensor bytes live beyond the params and grads while the optimizer is built and takes its first step
 HEADERS = ["row", "ms/step", "spread", "x torch fused", "x flat floor", "state MiB", "state B/param",
            "peak over p+g MiB", "first step ms"]
+# Muon's family: each row's Newton-Schulz FLOPs (its method's), the rate it reached, its time over fused AdamW's
+NS_HEADERS = ["NS GFLOP/step", "GFLOP/s", "x AdamW fused"]
+
+
+def columns(result: dict) -> list[str]:
+    return HEADERS + NS_HEADERS if result.get("newton_schulz") else HEADERS
 
 
 def title(result: dict) -> str:
@@ -132,10 +165,13 @@ def title(result: dict) -> str:
     ns = result.get("newton_schulz")
     if ns:
         best = max(ns["rows"].items(), key=lambda kv: kv[1]["gflops"], default=None)
-        text += (f"\nNewton-Schulz {ns['flops_per_step'] / 1e9:.2f} GFLOP/step ({ns['dtype']}); measured GEMM rate on "
-                 f"these matrices {ns['gemm_gflops']:.1f} GFLOP/s")
+        text += (f"\nNewton-Schulz {ns['flops_per_step'] / 1e9:.3g} GFLOP/step ({ns['dtype']}, {ns['method']}); "
+                 f"measured GEMM rate on these matrices {ns['gemm_gflops']:.1f} GFLOP/s")
         if best:
             text += f"; best row {best[0]}: {best[1]['gflops']:.1f} GFLOP/s = {best[1]['of_gemm_rate']:.0%} of it"
+        if ns["adamw_row"] is not None and ns["fused_row"] is not None:
+            text += (f"\n{ns['adamw_row']} on the same params {ns['adamw_ms']:.2f} ms/step; {ns['fused_row']} "
+                     f"{ns['rows'][ns['fused_row']]['vs_adamw']:.1f}x that")
     return text
 
 
@@ -147,7 +183,7 @@ def scheduler_rows(schedulers: list[dict]) -> list[list[str]]:
 
 
 def print_tables(results: list[dict], schedulers: list[dict] | None = None) -> None:
-    tables = [(title(r), HEADERS, table_rows(r)) for r in results]
+    tables = [(title(r), columns(r), table_rows(r)) for r in results]
     if schedulers:
         tables.append(("scheduler step overhead (AdamW, 2 param groups)", SCHEDULER_HEADERS,
                        scheduler_rows(schedulers)))
@@ -163,7 +199,8 @@ def print_tables(results: list[dict], schedulers: list[dict] | None = None) -> N
             print()
         return
     console = Console()
-    console.width = max(console.width, 150)  # the tables' natural width, also when piped
+    # the tables' natural width, also when piped (Muon's family has three more columns)
+    console.width = max(console.width, max((20 * (len(h) - len(HEADERS)) + 150 for _, h, _ in tables), default=150))
     for name, headers, rows in tables:
         table = Table(title=name)
         for i, h in enumerate(headers):
@@ -176,8 +213,8 @@ def print_tables(results: list[dict], schedulers: list[dict] | None = None) -> N
 def markdown(results: list[dict], schedulers: list[dict] | None = None) -> str:
     out = []
     for result in results:
-        out += [f"**{title(result)}**", "", "| " + " | ".join(HEADERS) + " |",
-                "|" + "---|" * len(HEADERS)]
+        out += [f"**{title(result)}**", "", "| " + " | ".join(columns(result)) + " |",
+                "|" + "---|" * len(columns(result))]
         out += ["| " + " | ".join(row) + " |" for row in table_rows(result)]
         out.append("")
     if schedulers:

@@ -34,6 +34,9 @@ class Row:
     state_bits: int = 32        # the width the row keeps its state at (low-bit rows keep small params at 32)
     peak_bytes: int | None = None  # tensor bytes above params and grads, build and first step (measure_peaks)
     paths: list[str] = field(default_factory=list)  # the paths fastoptim's levels took (record_paths)
+    ns: dict | None = None      # Newton-Schulz settings it runs (NS_OPTIONS), for Muon's family; None: none
+    flops: int | None = None    # Newton-Schulz FLOPs per step on the workload (matmul.newton_schulz_rows)
+    method: str | None = None   # "keller/standard", ...: the coefficients and method it ran (matmul.method_label)
 
     @property
     def median_ms(self) -> float:
@@ -58,6 +61,9 @@ class ClipThenStep:
 
 
 PEER_MODES = ("none", "torch", "fp32", "all")
+NS_OPTIONS = ("ns_coefficients", "ns_steps", "ns_method", "ns_dtype")
+# the Newton-Schulz variants timed at the fused level, beside the levels' default
+NS_METHODS = ("standard", "gram")
 
 
 def _state(bits: int | str) -> str:
@@ -73,7 +79,9 @@ def rows_for(optimizer: str, impls: list[str], flat_impls: list[str] = (), peers
     torch rows run ``torch.nn.utils.clip_grad_norm_`` first, and one more row shows fastoptim's fused level
     with the separate clip pass, to read off what fusing saves. ``state_bits``: more fastoptim rows, each
     level (and each flat level) again with its state kept at those widths (``state_bits=``; a format's
-    ``key``, its name for one registered beside its width's own)."""
+    ``key``, its name for one registered beside its width's own). For a rule with Newton-Schulz (Muon, NorMuon):
+    the fused level again with each coefficient preset and method (``fastoptim fused polar_express/gram``), and
+    fastoptim's fused AdamW on the same params, to read the step's cost against AdamW's."""
     if peers not in PEER_MODES:
         raise ValueError(f"peers must be one of {PEER_MODES}, got {peers!r}")
     spec = registry.get(optimizer)
@@ -94,6 +102,20 @@ def rows_for(optimizer: str, impls: list[str], flat_impls: list[str] = (), peers
         from ..clip import clip_grad_norm_
         rows.append(Row("fastoptim fused + clip_grad_norm_", "fastoptim", "fused",
                         lambda ps: ClipThenStep(spec.cls(ps, impl="fused", **kwargs), clip, clip_grad_norm_)))
+    newton_schulz = "ns_steps" in spec.rule.defaults
+    if newton_schulz:
+        group = {**spec.rule.defaults, **kwargs}
+        settings = {k: group[k] for k in NS_OPTIONS}
+        for row in rows:
+            row.ns = settings
+        if "fused" in impls:
+            from ..rules.newton_schulz import PRESETS
+            for preset in PRESETS:
+                for method in NS_METHODS:
+                    variant = dict(ns_coefficients=preset, ns_method=method)
+                    rows.append(Row(f"fastoptim fused {preset}/{method}{tag}", "fastoptim", "fused",
+                                    lambda ps, v=variant: spec.cls(ps, impl="fused", **ours, **v),
+                                    ns={**settings, **variant}))
 
     torch_name = spec.torch_counterpart
 
@@ -106,6 +128,8 @@ def rows_for(optimizer: str, impls: list[str], flat_impls: list[str] = (), peers
 
     if peers != "none" and spec.torch_class is not None:  # torch steps it one tensor at a time only
         rows.append(torch_row("torch loop"))
+        if newton_schulz:
+            rows[-1].ns = _torch_newton_schulz(getattr(torch.optim, spec.torch_class))
     elif peers != "none" and spec.reference is not None:
         rows += [torch_row("torch loop", foreach=False), torch_row("torch foreach", foreach=True)]
         if spec.name in TORCH_FUSED:
@@ -118,8 +142,26 @@ def rows_for(optimizer: str, impls: list[str], flat_impls: list[str] = (), peers
         from .peers import peer_rows
         for label, library, build, bits in peer_rows(spec.name, kwargs, everything=peers == "all"):
             rows.append(Row(label, library, "peer", build, state_bits=bits))
+    if spec.params == "matrices":
+        adamw = registry.get("adamw").cls
+        clipped = dict(max_grad_norm=clip) if clip else {}
+        rows.append(Row(f"{ADAMW_LABEL}{tag}", "fastoptim", "fused",
+                        lambda ps: adamw(ps, impl="fused", **clipped)))
     rows.append(floor_row(spec, kwargs))
     return rows
+
+
+# AdamW's fused step on a Muon row set's params: what the Muon step costs over the usual one
+ADAMW_LABEL = "fastoptim AdamW fused"
+
+
+def _torch_newton_schulz(cls) -> dict:
+    """The Newton-Schulz a torch.optim class runs: its defaults, standard iterations, always in bf16."""
+    import inspect
+
+    defaults = {k: p.default for k, p in inspect.signature(cls).parameters.items()}
+    return dict(ns_coefficients=defaults["ns_coefficients"], ns_steps=defaults["ns_steps"], ns_method="standard",
+                ns_dtype="bfloat16")
 
 
 class CompiledStep:

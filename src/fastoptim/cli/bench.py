@@ -116,14 +116,20 @@ def _run(args: argparse.Namespace) -> int:
         if args.quick and workload == "mlp2000":
             shapes = shapes[:400]  # 200 layers
         for optimizer in args.optimizer:
-            rows = bench.rows_for(optimizer, args.impl, args.flat, args.peers, args.clip, tuple(args.state_bits))
+            spec = registry.get(optimizer)
             taken = shapes
-            if registry.get(optimizer).params == "matrices":  # Muon steps the workload's matrices
+            if spec.params == "matrices":  # Muon steps the workload's matrices
                 taken = [s for s in shapes if len(s) == 2]
                 if not taken:
                     print(f"fastoptim bench: {optimizer} steps matrices; workload {workload} has none",
                           file=sys.stderr)
                     return 2
+            flat = args.flat
+            if flat and not spec.takes_flat(set(taken)):
+                print(f"fastoptim bench: no flat rows for {optimizer} on {workload}: flat=True keeps param-shaped "
+                      "states only", file=sys.stderr)
+                flat = []
+            rows = bench.rows_for(optimizer, args.impl, flat, args.peers, args.clip, tuple(args.state_bits))
             jobs.append((workload, optimizer, taken, rows))
     total = sum(len(rows) * (2 + args.rounds) for *_, rows in jobs)  # first step, rounds, peak memory
     results = []
@@ -131,7 +137,7 @@ def _run(args: argparse.Namespace) -> int:
         for workload, optimizer, shapes, rows in jobs:
             bench.run_workload(shapes, rows, args.rounds, args.steps, args.warmup, advance, device)
             results.append(bench.to_dict(workload, optimizer, bench.numel(shapes), len(shapes), rows,
-                                         _matmul(optimizer, shapes, device)))
+                                         _matmul(optimizer, shapes, device, rows)))
     schedulers = None if args.no_schedulers else bench.time_schedulers(rounds=3 if args.quick else 7)
     print(bench.environment_line(bench.environment()))
     bench.print_tables(results, schedulers)
@@ -146,17 +152,17 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _matmul(optimizer: str, shapes: list, device: str) -> dict | None:
-    """For Muon: Newton-Schulz FLOPs per step and the GEMM rate on the same matrices, measured now (the dtype
-    ``ns_dtype=None`` picks on ``device``)."""
+def _matmul(optimizer: str, shapes: list, device: str, rows: list) -> dict | None:
+    """For a rule with Newton-Schulz (Muon, NorMuon): its FLOPs per step with the default settings, each row's
+    own (``Row.flops``: per method and preset), and the GEMM rate on the same matrices, measured now (in the
+    dtype ``ns_dtype=None`` picks on ``device``)."""
     spec = registry.get(optimizer)
-    if spec.name != "muon":
+    if "ns_steps" not in spec.rule.defaults:
         return None
-    steps = spec.option_sets[0].get("ns_steps", spec.cls.rule.defaults["ns_steps"])
-    from ..rules.muon import fast_matmul_dtype
-
-    dtype = fast_matmul_dtype(torch.device(device).type)
-    return {"flops_per_step": bench.newton_schulz_flops(shapes, steps), "dtype": str(dtype).replace("torch.", ""),
+    group = {**spec.rule.defaults, **spec.option_sets[0]}
+    flops, method, dtype = bench.settings_flops(shapes, {k: group[k] for k in bench.NS_OPTIONS}, device)
+    bench.newton_schulz_rows(rows, shapes, device)
+    return {"flops_per_step": flops, "method": method, "dtype": str(dtype).replace("torch.", ""),
             "gemm_gflops": bench.gemm_rate(shapes, dtype, device) / 1e9}
 
 

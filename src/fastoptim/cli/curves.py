@@ -16,8 +16,11 @@ from ..storage.rounding import ROUNDINGS
 
 def add_parser(sub) -> None:
     p = sub.add_parser("curves", help="learning curves vs torch.optim (PNG, table, JSON)", description=__doc__)
-    p.add_argument("--optimizer", "-o", nargs="+", choices=list(registry.OPTIMIZERS),
-                   default=["adamw", "sgd", "lion"], help="optimizers (default: adamw sgd lion)")
+    p.add_argument("--optimizer", "-o", nargs="+", type=_variant, metavar="OPTIMIZER",
+                   default=["adamw", "sgd", "lion"],
+                   help=f"optimizers: {', '.join(registry.OPTIMIZERS)}; a variant takes group options in brackets, "
+                        "e.g. 'muon[ns_coefficients=polar_express,ns_method=gram]' (quoted for the shell), and "
+                        "is run and labelled as written (default: adamw sgd lion)")
     p.add_argument("--impl", nargs="+", choices=list(LEVELS), default=list(LEVELS),
                    help="fastoptim levels (default: all)")
     p.add_argument("--flat", nargs="*", choices=list(LEVELS), default=["fused"],
@@ -40,6 +43,15 @@ def add_parser(sub) -> None:
     p.add_argument("--out", default="curves.png", help="PNG path (default: curves.png)")
     p.add_argument("--json", metavar="PATH", help="write the curves and the differences as JSON")
     p.set_defaults(func=run)
+
+
+def _variant(text: str) -> str:
+    """An optimizer's name or ``name[key=value,...]`` (``registry.parse_variant``), checked; kept as written."""
+    try:
+        registry.parse_variant(text)
+    except ValueError as e:  # argparse shows an ArgumentTypeError's own words
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text.strip()
 
 
 def run(args: argparse.Namespace) -> int:
@@ -105,11 +117,15 @@ def _table(title: str, headers: list[str], rows: list[list[str]], text_columns: 
         for row in rows:
             print("  ".join(row))
         return
+    from rich.markup import escape
+
     table = Table(title=title)
     for i, h in enumerate(headers):
-        table.add_column(h, justify="left" if i < text_columns else "right")
+        # a name with no spaces folds onto more lines rather than being cut: variants differ at its end
+        text = i < text_columns
+        table.add_column(h, justify="left" if text else "right", overflow="fold" if text else "ellipsis")
     for row in rows:
-        table.add_row(*row)
+        table.add_row(*map(escape, row))  # (a variant's options are in brackets, rich's markup)
     Console(width=120).print(table)
 
 
@@ -123,6 +139,6 @@ def _print_gaps(gaps: list[dict], diffs: list[dict]) -> None:
         print(f"{name}: the levels match the {gap['curve']} loop to {levels:.3g}; that loop is up to "
               f"{gap['max_abs_diff']:.3g} from the {gap['reference']} loop ({when}; final losses "
               f"{gap['final_loss']:.4f} vs {gap['reference_final_loss']:.4f}).")
-        note = registry.get(name).cls.rule.curves_note
+        note = registry.get(registry.parse_variant(name)[0]).cls.rule.curves_note
         if note:
             print(f"  {note}")
