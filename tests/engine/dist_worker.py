@@ -208,6 +208,23 @@ def local_rows_checks(result, mesh=None, label=""):
                                             calls=gathered(sorted(slice_rule.CALLS[:len(slice_rule.CALLS) // steps])))
 
 
+def muon_expert_checks(result, mesh=None, label=""):
+    """fastoptim.Muon (fp32 Newton-Schulz; 32- and 8-bit momentum) on expert stacks (E, M, N) under FSDP2: each
+    rank steps its own experts with no all_to_all, and the params equal one process's; with the Linear weights
+    training beside them, those are gathered (two exchanges a step)."""
+    steps = 3
+    for linear in (False, True):
+        for bits in (32, 8):
+            low = {} if bits == 32 else dict(state_bits=8, min_quant_size=0)
+            single = experts_model(linear)
+            reference = train(single, muon(single, ns_dtype="float32", impl="fused", **low), steps=steps)
+            net = shard(experts_model(linear), mesh)
+            with CountingAllToAll() as counted:
+                params = train(net, muon(net, ns_dtype="float32", impl="fused", **low), steps=steps)
+            result[f"muon experts{label} linear={linear} {bits}-bit"] = dict(
+                diff=max_diff(params, reference), exchanges=counted.calls / steps)
+
+
 def hsdp_checks(result, shapes, slices=True):
     """Muon under HSDP (fully_shard on a 2-D mesh of each shape in ``shapes``, (replicate, shard)) against one
     process, with fp32 Newton-Schulz, 32- and 8-bit momentum; which rank orthogonalised which matrix; the
@@ -449,6 +466,7 @@ def main(out_path, levels=LEVELS):
                                                           for a, b in zip(params, reference))
     muon_checks(result, levels)
     local_rows_checks(result)
+    muon_expert_checks(result)
     hsdp_checks(result, [(1, 2), (2, 1)], slices=False)  # (the 2-D meshes' local_rows checks: hsdp_main's)
     release_checks(result)
     ddp_release_checks(result)
@@ -464,6 +482,7 @@ def hsdp_main(out_path):
     dist.init_process_group("gloo")
     result = {}
     local_rows_checks(result)
+    muon_expert_checks(result)
     hsdp_checks(result, [(2, 2)])
     if dist.get_rank() == 0:
         with open(out_path, "w") as f:

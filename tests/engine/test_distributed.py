@@ -212,6 +212,15 @@ def test_a_stage_declaring_local_rows_steps_each_ranks_own_experts_with_no_excha
     assert sorted(shape for rank in whole["calls"] for shape in rank) == [[1, 1, 8, 12], [1, 3, 12, 12]]
 
 
+@pytest.mark.parametrize("bits", [32, 8])
+def test_muon_steps_expert_stacks_sharded_on_dim_0_where_they_lie(dist_results, bits):
+    """Muon's (E, M, N) params are batches of matrices (its stage declares local_rows): under FSDP2 on two ranks
+    each steps its own experts, no all_to_all, equal to one process; Linear weights beside them are gathered."""
+    alone, mixed = (dist_results[f"muon experts linear={linear} {bits}-bit"] for linear in (False, True))
+    assert alone["diff"] <= 1e-6 and mixed["diff"] <= 1e-6, (alone, mixed)
+    assert alone["exchanges"] == 0 and mixed["exchanges"] == 2
+
+
 def test_stages_declaring_local_rows_give_on_row_slices_what_they_give_whole():
     """The declaration must hold: on every shape it claims, the stage on each part of a tensor's dim-0 slices
     gives what it gives on the whole tensor, there. Every registered rule's stages that declare it, and
@@ -365,6 +374,14 @@ def test_muon_on_a_2x2_mesh_refuses_params_split_twice_or_by_columns(four_ranks)
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("bits", [32, 8])
+def test_muon_steps_expert_stacks_where_they_lie_on_four_ranks(four_ranks, bits):
+    """Four ranks: rank 3 holds no row of the 3-expert stack, ranks 1-3 none of the 1-expert one."""
+    alone, mixed = (four_ranks[f"muon experts linear={linear} {bits}-bit"] for linear in (False, True))
+    assert alone["diff"] <= 1e-6 and mixed["diff"] <= 1e-6, (alone, mixed)
+    assert alone["exchanges"] == 0 and mixed["exchanges"] == 2
+
+
 @pytest.mark.parametrize("mesh", ["", " hsdp 2x2"])
 def test_a_stage_declaring_local_rows_needs_no_exchange_on_four_ranks(four_ranks, mesh):
     """On FSDP2's 1-D mesh of four (stacks of 3 and 1 experts: rank 3 holds none) and on HSDP's (2, 2)."""
