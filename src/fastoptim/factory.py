@@ -109,8 +109,9 @@ def muon_groups(model: torch.nn.Module, weight_decay: float | None = None, adamw
 
     Muon's matrices: 2-D weights; convolution weights, in a group of their own with ``matrices="flatten"`` (each
     filter bank the matrix (out, in * kernel), as Jordan's Muon takes it; a Conv1d weight is 3-D too); and
-    other params of 3+ dims, batches of matrices (``matrices="auto"``: MoE experts (E, M, N)), both where their
-    first two dims are above 1 (``_takes_muon``). ``batched=False`` (a rule of 2-D matrices only: NorMuon) leaves
+    other params of 3+ dims, batches of matrices (MoE experts (E, M, N); those of 4+ dims in a group of their own
+    with ``matrices="batch"``, which "auto" would flatten), both where their first two dims are above 1
+    (``_takes_muon``). ``batched=False`` (a rule of 2-D matrices only: NorMuon) leaves
     params of 3+ dims to AdamW."""
     apart = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
     if head is None:
@@ -120,20 +121,21 @@ def muon_groups(model: torch.nn.Module, weight_decay: float | None = None, adamw
         heads = [p for h in heads for p in (h.parameters() if isinstance(h, torch.nn.Module) else [h])]
     apart |= {id(p) for p in heads}
     convs = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.modules.conv._ConvNd)}
-    hidden, filters, matrices, vectors = [], [], [], []
+    hidden, filters, stacks, matrices, vectors = [], [], [], [], []
     for p in model.parameters():
         if not p.requires_grad:
             continue
         if id(p) not in apart and (p.dim() == 2 or batched and _takes_muon(p)):
-            (filters if id(p) in convs else hidden).append(p)
+            (filters if id(p) in convs else stacks if p.dim() >= 4 else hidden).append(p)
         else:
             (matrices if p.dim() >= 2 else vectors).append(p)
-    if not hidden and not filters and (matrices or vectors):
+    if not hidden and not filters and not stacks and (matrices or vectors):
         _warn("muon_groups: the model has no hidden matrix for Muon (a 2-D weight, a convolution's filters, or "
               "a batch of matrices such as MoE experts): every param steps with AdamW")
     decay = {} if weight_decay is None else {"weight_decay": weight_decay}
     adamw = dict(use_muon=False, lr=adamw_lr, betas=adamw_betas, eps=adamw_eps)
     groups = [{"params": hidden, **decay}, {"params": filters, "matrices": "flatten", **decay},
+              {"params": stacks, "matrices": "batch", **decay},
               {"params": matrices, **adamw, **decay}, {"params": vectors, **adamw, "weight_decay": 0.0}]
     return [g for g in groups if g["params"]]
 

@@ -212,7 +212,9 @@ class FastOptimizer(torch.optim.Optimizer):
         """The state_dict as torch.optim keeps it, for loading into a torch.optim optimizer: 16/8/4-bit states
         as tensors of their param's shape and dtype (quantized ones dequantized)."""
         params = [p for group in self.param_groups for p in group["params"]]
-        return checkpoints.to_torch(self.state_dict(), params=params)
+        sd = self.state_dict()
+        sd["param_groups"] = [self.rule.for_group(group).torch_group(group) for group in sd["param_groups"]]
+        return checkpoints.to_torch(sd, params=params)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """torch.optim's checkpoints and fastoptim's at any ``state_bits``. How state is kept stays this

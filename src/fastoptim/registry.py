@@ -99,6 +99,8 @@ def parse_variant(text: str) -> tuple[str, dict]:
         key, eq, value = (part.strip() for part in item.partition("="))
         if not eq or not key:
             raise ValueError(f"{text!r}: {item.strip()!r} is not key=value")
+        if key in options:  # (the last would win silently: a run not of the options it reads as)
+            raise ValueError(f"{text!r}: {key} is given twice")
         if key not in spec.rule.defaults:
             raise ValueError(f"{text!r}: {spec.name} has no option {key!r}; its options: "
                              f"{', '.join(spec.rule.defaults)}")

@@ -211,6 +211,8 @@ def test_curves_variant_options_reach_the_optimizer_and_its_reference(tmp_path, 
     assert build_parser().parse_args(["curves", "-o", "adamw", variant]).optimizer == ["adamw", variant]
     assert registry.parse_variant("muon[ns_coefficients=(2.0, -1.5, 0.5), ns_steps=3]") == (
         "muon", {"ns_coefficients": (2.0, -1.5, 0.5), "ns_steps": 3})
+    with pytest.raises(ValueError, match="ns_steps is given twice"):
+        registry.parse_variant("muon[ns_steps=3,ns_steps=5]")
     built = []
 
     def train(name, make_optimizer, steps, seed, **kwargs):

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import fastoptim
+from conftest import MUON_BF16_ATOL
 from fastoptim.levels import record_paths
 from fastoptim.levels import LEVELS
 from fastoptim.reference import ReferenceMuon
@@ -340,6 +341,30 @@ def test_muon_state_dict_loads_into_torch_muon():
     back.load_state_dict(ref.state_dict())
     assert torch.equal(back.state[back.param_groups[0]["params"][0]]["momentum_buffer"],
                        ours.state[ps[0]]["momentum_buffer"])
+
+
+def test_torch_state_dict_spells_a_constant_schedule_as_torch_muon_takes_it():
+    """torch.optim.Muon takes one (a, b, c): a preset's name or a list of triples in ``state_dict()`` would load
+    into it and fail its first step. ``torch_state_dict()`` gives a constant schedule as its triple (the group's
+    own stays as it was); one that changes per iteration has no such form and stays as it is."""
+    for coefficients in ("keller", [(3.0, -3.2, 1.2)] * 2):
+        ps = _matrices()
+        ours = fastoptim.Muon(ps, lr=0.02, ns_coefficients=coefficients, ns_dtype="bfloat16")
+        _grads(1, ps)
+        ours.step()
+        ref = torch.optim.Muon(_clone(ps), lr=0.02)
+        ref.load_state_dict(copy.deepcopy(ours.torch_state_dict()))  # (as read back: no state shared)
+        assert ours.param_groups[0]["ns_coefficients"] == coefficients
+        triple = muon_rule.ns.schedule(coefficients, 1)[0]
+        assert ref.param_groups[0]["ns_coefficients"] == triple
+        _grads(2, ps, ref.param_groups[0]["params"])
+        ours.step()
+        ref.step()  # (torch's Newton-Schulz in bf16, as ours here)
+        for p, q in zip(ps, ref.param_groups[0]["params"]):
+            torch.testing.assert_close(q, p, atol=MUON_BF16_ATOL, rtol=0)
+    for coefficients in ("polar_express", [(3.0, -3.2, 1.2), (2.0, -1.5, 0.5)]):
+        ours = fastoptim.Muon(_matrices(), lr=0.02, ns_coefficients=coefficients)
+        assert ours.torch_state_dict()["param_groups"][0]["ns_coefficients"] == coefficients
 
 
 def test_adafactor_factored_states_have_torchs_shapes_and_load_both_ways():

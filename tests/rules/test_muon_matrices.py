@@ -336,6 +336,28 @@ def test_state_dict_saves_the_options_and_a_torch_checkpoint_keeps_the_groups_ow
     assert torch.equal(plain.state[plain.param_groups[0]["params"][0]]["momentum_buffer"], buffer)
 
 
+@pytest.mark.parametrize("level", LEVELS)
+def test_a_layout_set_by_hand_that_does_not_fit_changes_nothing(level):
+    """The step's plan is kept from step to step: a split or matrices set by hand since, or a split list edited
+    in place, that no longer fits is refused before anything changes, as when the param was added, not halfway
+    through the step with the momentum moved."""
+    p = nn.Parameter(torch.randn(2, 6, 4))  # (two 6 x 4 matrices; flattened, one 2 x 24)
+    opt = fastoptim.Muon([p], impl=level, split=[3, 3], **FP32)
+    p.grad = torch.randn(2, 6, 4)
+    opt.step()
+    group = opt.param_groups[0]
+    for edit in (lambda: group.update(split=4), lambda: group["split"].append(1),
+                 lambda: group.update(matrices="flatten")):
+        saved = dict(split=list(group["split"]), matrices=group["matrices"])
+        edit()
+        before = p.detach().clone(), opt.state[p]["momentum_buffer"].clone()
+        with pytest.raises(RuntimeError, match="does not fit a param of shape"):
+            opt.step()
+        assert torch.equal(p, before[0]) and torch.equal(opt.state[p]["momentum_buffer"], before[1])
+        group.update(saved)
+    opt.step()
+
+
 def test_an_optimizer_pickled_before_the_options_existed_gets_their_defaults():
     opt = fastoptim.Muon([nn.Parameter(torch.zeros(6, 4))], lr=0.02)
     state = opt.__getstate__()

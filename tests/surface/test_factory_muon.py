@@ -296,6 +296,27 @@ def test_experts_and_conv1d_weights_go_to_muon():
     assert not torch.equal(moe.w_in, before)
 
 
+def test_a_stack_of_4_dims_steps_as_its_matrices_not_flattened():
+    """A (layers, E, M, N) stack of experts is a batch of matrices: "auto" would flatten it into one (layers,
+    E * M * N) matrix (a rank-2 update here), so the recipe gives it a group with matrices="batch". It steps as
+    its L * E matrices stepped apart."""
+    model = nn.Module()
+    model.stack = nn.Parameter(torch.randn(2, 4, 8, 6, generator=torch.Generator().manual_seed(0)))
+    model.hidden = nn.Linear(6, 8)
+    opt, _ = _create(model, ns_dtype="float32", impl="foreach")
+    group = next(g for g in opt.param_groups if any(p is model.stack for p in g["params"]))
+    assert group["use_muon"] and group["matrices"] == "batch" and len(group["params"]) == 1
+    apart = [nn.Parameter(m.detach().clone()) for m in model.stack.reshape(-1, 8, 6)]
+    ref = fastoptim.Muon(apart, lr=0.02, ns_dtype="float32", impl="foreach", weight_decay=group["weight_decay"])
+    g = torch.randn(2, 4, 8, 6, generator=torch.Generator().manual_seed(1))
+    model.stack.grad = g.clone()
+    for p, grad in zip(apart, g.reshape(-1, 8, 6)):
+        p.grad = grad.clone()
+    opt.step()
+    ref.step()
+    assert torch.equal(model.stack.detach().reshape(-1, 8, 6), torch.stack([p.detach() for p in apart]))
+
+
 @pytest.mark.parametrize("make", [ResNetLike, ViTLike])
 def test_the_recipe_steps_the_classifier_head_as_adamw(make):
     """The head's weight steps as torch's AdamW steps it (lr adamw_lr, betas (0.9, 0.95), weight decay)."""

@@ -13,7 +13,8 @@ What a plan caches (one per param group):
 
 What makes it stale, checked at every step before anything runs:
   * another list of params with grads (compared by identity), another set of active states, or other
-    storage settings (``state_bits``, ``min_quant_size``: the stepper puts them into ``Plan.active``);
+    storage settings (``state_bits``, ``min_quant_size``: the stepper puts them into ``Plan.active``), or other
+    values of the settings its params were checked against (``Rule.planned_settings``: Muon's ``split``);
   * a param's data moved or re-laid (``p.data = ...``, ``p.t_()``, a resize: address, strides or shape; in flat
     mode, a param's data no longer the very view of its buffer that the plan made);
   * a stored (16/8/4-bit) state's tensor moved in place (``share_memory_()``): a kernel's table keeps their
@@ -87,7 +88,7 @@ class PlanBucket:
 class Plan:
     """One param group's buckets, and what they were built from."""
     params: list[Tensor]
-    active: tuple                      # the group's settings its buckets follow from (active states, storage)
+    active: tuple                      # the group's settings its buckets follow from (states, storage, checks)
     state_map: StateMap
     version: int
     buckets: list[PlanBucket] = field(default_factory=list)

@@ -146,7 +146,8 @@ class Stepper:
             return None
         cached = self.plans.get(key)
         rule = self.rule.for_group(w.group)
-        shape = (rule, rule.active(w.group), self.settings.storage_of(w.group))  # what the buckets follow from
+        # what the buckets follow from, and what their params were checked against
+        shape = (rule, rule.active(w.group), self.settings.storage_of(w.group), rule.planned_settings(w.group))
         if cached is not None and cached.fits(w.params, shape, self.state):
             return cached
         self.check_storage(w.group)

@@ -145,6 +145,17 @@ class Rule(Declared):
         only in its step: checked when a step is planned, before anything changes, and raised as RuntimeError."""
         return None
 
+    def torch_group(self, group: dict) -> dict:
+        """A saved param group as the torch.optim class takes it (``torch_state_dict``): the group itself, but for
+        settings torch's class spells otherwise (Muon's constant coefficient schedules)."""
+        return group
+
+    def planned_settings(self, group: dict) -> tuple:
+        """The group's settings that ``check_stepped_param`` reads (Muon's ``matrices`` and ``split``): a plan
+        built under other values is built again, so a value set by hand since is checked before anything
+        changes."""
+        return ()
+
     def state_shape(self, name: str, p: Tensor) -> tuple | None:
         """The shape of state ``name`` of ``p`` (the param's, but for factored states), or None where ``p``
         keeps no such state (Adafactor's ``variance`` of a matrix). States of another shape than the param's

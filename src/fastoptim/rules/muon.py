@@ -272,6 +272,17 @@ class MuonRule(Rule):
             return "Muon does not support complex parameters"
         return self.check_param(p, group)  # (a split loaded from a checkpoint, or set by hand since)
 
+    def torch_group(self, group):
+        # torch.optim.Muon takes one (a, b, c) for every iteration: a preset's name or a list of triples would load,
+        # then fail its first step. A schedule that changes per iteration has no such form: kept, torch's step
+        # refuses it
+        schedule = set(ns.schedule(group["ns_coefficients"], max(group["ns_steps"], 1)))
+        return dict(group, ns_coefficients=schedule.pop()) if len(schedule) == 1 else group
+
+    def planned_settings(self, group):
+        # (as tuples: a split list edited in place is a new value too)
+        return group["matrices"], check_split(group["split"])
+
     def refuses_quantized_state(self, group):
         return None
 

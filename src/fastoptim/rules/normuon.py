@@ -139,6 +139,9 @@ class NorMuonRule(MuonRule):
     def check_stepped_param(self, p, group):
         return "NorMuon does not support complex parameters" if p.is_complex() else None
 
+    def planned_settings(self, group):
+        return ()  # (no ``matrices`` or ``split``)
+
     def state_shape(self, name, p):
         # the second moment is one number per row, as the authors keep it (``p[..., 0:1]``)
         return tuple(p.shape[:-1]) + (1,) if name == "second_momentum_buffer" else tuple(p.shape)
