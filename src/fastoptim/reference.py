@@ -8,7 +8,7 @@ import importlib
 import torch
 
 from fastoptim.registry import OptimizerSpec
-from fastoptim.rules.declared import ReferenceLoop
+from fastoptim.rules.declared import ReferenceLoop, reference_newton_schulz
 
 
 class ReferenceLion(ReferenceLoop):
@@ -109,43 +109,6 @@ class ReferenceMuon(torch.optim.Muon):
                                             self.ns_dtype, self.ns_method)
                 p.mul_(1 - group["lr"] * group["weight_decay"])
                 p.add_(x, alpha=-_adjust_lr(group["lr"], group["adjust_lr_fn"], p.shape))
-
-
-def reference_newton_schulz(update, coefficients, steps: int, eps: float, dtype, method: str = "auto"):
-    """torch.optim.Muon's Newton-Schulz of one matrix (a tall one iterated as its transpose, ``addmm``), in
-    ``dtype``, with fastoptim's schedules (a preset's name, one triple per iteration) and Gram iterations."""
-    from fastoptim.rules import newton_schulz as ns
-
-    schedule = ns.schedule(coefficients, steps)
-    x = update.to(dtype)
-    tall = update.size(0) > update.size(1)
-    if tall:
-        x = x.T
-    x = x / x.norm().clamp(min=eps)
-    if schedule and ns.resolve_method(method, *x.shape, schedule, x.dtype) == "gram":
-        x = _gram_newton_schulz(x, schedule)
-    else:
-        for a, b, c in schedule:
-            gram = x @ x.T
-            x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
-    return x.T if tall else x
-
-
-def _gram_newton_schulz(x, schedule):
-    """Gram Newton-Schulz on a wide matrix, literally: R = X X^T, B = a I + b R + c R^2, Q <- B Q, R <- B R B,
-    and before each iteration of ``restarts`` X <- Q X, R <- X X^T, Q <- I; the result Q X."""
-    from fastoptim.rules.newton_schulz import restarts
-
-    eye = torch.eye(x.shape[0], dtype=x.dtype)
-    r, q = x @ x.T, eye
-    for i, (a, b, c) in enumerate(schedule):
-        if i in restarts(schedule):
-            x = q @ x
-            r, q = x @ x.T, eye
-        poly = torch.addmm(r, r, r, beta=b, alpha=c) + a * eye
-        q = poly @ q
-        r = poly @ r @ poly
-    return q @ x
 
 
 def matrix_views(t: torch.Tensor, matrices: str = "auto", split=None) -> list[torch.Tensor]:

@@ -1,6 +1,7 @@
 """What a rule declares for the rest of the library besides its math: the public class (``fastoptim.registry``
 makes it), the oracle and option sets the tests run, ``fastoptim curves``' settings and the tests' hints. The math
-itself, and what the levels read, is ``base.Rule``, which takes these from here."""
+itself, and what the levels read, is ``base.Rule``, which takes these from here. Beside them, the plain pieces the
+oracles share: ``ReferenceLoop`` and ``reference_newton_schulz`` (torch.optim.Muon's loop, one matrix at a time)."""
 
 from __future__ import annotations
 
@@ -59,3 +60,40 @@ class ReferenceLoop(torch.optim.Optimizer):
                 if counted:
                     state["step"] += 1
                 yield group, p, state, self.compute_dtype or p.dtype, before
+
+
+def reference_newton_schulz(update, coefficients, steps: int, eps: float, dtype, method: str = "auto"):
+    """torch.optim.Muon's Newton-Schulz of one matrix (a tall one iterated as its transpose, ``addmm``), in
+    ``dtype``, with fastoptim's schedules (a preset's name, one triple per iteration) and Gram iterations."""
+    from . import newton_schulz as ns
+
+    schedule = ns.schedule(coefficients, steps)
+    x = update.to(dtype)
+    tall = update.size(0) > update.size(1)
+    if tall:
+        x = x.T
+    x = x / x.norm().clamp(min=eps)
+    if schedule and ns.resolve_method(method, *x.shape, schedule, x.dtype) == "gram":
+        x = _gram_newton_schulz(x, schedule)
+    else:
+        for a, b, c in schedule:
+            gram = x @ x.T
+            x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return x.T if tall else x
+
+
+def _gram_newton_schulz(x, schedule):
+    """Gram Newton-Schulz on a wide matrix, literally: R = X X^T, B = a I + b R + c R^2, Q <- B Q, R <- B R B,
+    and before each iteration of ``restarts`` X <- Q X, R <- X X^T, Q <- I; the result Q X."""
+    from .newton_schulz import restarts
+
+    eye = torch.eye(x.shape[0], dtype=x.dtype)
+    r, q = x @ x.T, eye
+    for i, (a, b, c) in enumerate(schedule):
+        if i in restarts(schedule):
+            x = q @ x
+            r, q = x @ x.T, eye
+        poly = torch.addmm(r, r, r, beta=b, alpha=c) + a * eye
+        q = poly @ q
+        r = poly @ r @ poly
+    return q @ x

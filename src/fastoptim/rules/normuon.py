@@ -28,7 +28,7 @@ import math
 import torch
 
 from .base import Elementwise, PerTensor, check_nonnegative, check_unit_interval, register
-from .declared import ReferenceLoop
+from .declared import ReferenceLoop, reference_newton_schulz
 from .muon import NS_DTYPES, MuonRule, fast_matmul_dtype, lr_ratio, muon_apply, muon_momentum, newton_schulz
 
 ORIGINAL_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # the authors' (Muon's quintic)
@@ -167,8 +167,6 @@ class ReferenceNorMuon(ReferenceLoop):
         self.ns_method = ns_method
 
     def _newton_schulz(self, u, group):
-        from ..reference import reference_newton_schulz
-
         return reference_newton_schulz(u, group["ns_coefficients"], group["ns_steps"], group["eps"], self.ns_dtype,
                                        self.ns_method)
 
