@@ -18,14 +18,13 @@ RMSprop, Muon), ``eps`` and ``betas`` only where the optimizer takes them (a flo
 Two adapters make that work:
 
 * Rprop takes no weight decay: timm's ``weight_decay=0`` (and groups' 0) are dropped, another value refused;
-* Muon (and NorMuon) routes params as timm's Muon does: matrices with two dims above 1, and params of 3+ dims whose first
-  two dims are above 1 (conv weights; not position tables (1, n, d), layer scales (d, 1, 1) or depthwise
-  filters (c, 1, k, k)), to Muon; the others, and groups timm marks ``use_fallback`` (its ``fallback_list=``),
-  to AdamW (``use_muon=False``). Params of 3+ dims are flattened to (d0, d1 * ...), as timm's Muon flattens
-  them (``matrices="flatten"`` in a group of their own); NorMuon, which steps 2-D matrices only, leaves them to
-  AdamW. Nothing else goes to AdamW by name: pass
-  ``fallback_list=["head*"]`` (or the model's head names) to keep the output layer on AdamW, as with timm's
-  Muon.
+* Muon (and NorMuon) routes params as timm's Muon does: matrices with two dims above 1, and params of 3+ dims
+  whose first two dims are above 1 (conv weights; not position tables (1, n, d), layer scales (d, 1, 1) or
+  depthwise filters (c, 1, k, k)), to Muon; the others, and groups timm marks ``use_fallback`` (its
+  ``fallback_list=``), to AdamW (``use_muon=False``). Params of 3+ dims are flattened to (d0, d1 * ...), as timm's
+  Muon flattens them (``matrices="flatten"`` in a group of their own); NorMuon, which steps 2-D matrices only,
+  leaves them to AdamW. Nothing else goes to AdamW by name: pass ``fallback_list=["head*"]`` (or the model's head
+  names) to keep the output layer on AdamW, as with timm's Muon.
 """
 
 from __future__ import annotations

@@ -14,9 +14,9 @@
 On sharded params (FSDP2, HSDP) a per-tensor stage runs each whole tensor on one rank of its shard group, or
 on each rank's own rows where the stage declares whole dim-0 slices enough (``sharded``).
 
-Grads are scaled (GradScaler, clipping) once, into temporaries, by the dispatcher before the first stage. Scratch tensors live in
-the bucket's cache (the step plan makes a new bucket, and cache, whenever a param's layout changes), one buffer
-per shape group: a per-tensor stage takes a group's scratch as it is, with no stacking copy.
+Grads are scaled (GradScaler, clipping) once, into temporaries, by the dispatcher before the first stage. Scratch
+tensors live in the bucket's cache (the step plan makes a new bucket, and cache, whenever a param's layout
+changes), one buffer per shape group: a per-tensor stage takes a group's scratch as it is, with no stacking copy.
 """
 
 from __future__ import annotations

@@ -35,7 +35,8 @@ from ..eager import eager
 from . import newton_schulz as ns
 from .adam import AdamRule
 from .base import Elementwise, PerTensor, Rule, _number, check_bool, check_nonnegative, register
-from .newton_schulz import fast_matmul_dtype, newton_schulz  # noqa: F401 (fast_matmul_dtype: Muon's dtype, read by bench and the oracle)
+# (fast_matmul_dtype: what ns_dtype=None takes; the bench, the oracles and the tests read it from here)
+from .newton_schulz import fast_matmul_dtype, newton_schulz  # noqa: F401
 
 NS_DTYPES = {None: None, "float32": torch.float32, "bfloat16": torch.bfloat16}
 ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
