@@ -143,8 +143,8 @@ def newton_schulz_in_bf16(name, opts):
     the CPU multiplies bf16 natively)."""
     if OPTIMIZERS[name].params != "matrices":
         return False
-    from fastoptim.rules.muon import NS_DTYPES, fast_matmul_dtype
-    return (NS_DTYPES[opts.get("ns_dtype")] or fast_matmul_dtype("cpu")) == torch.bfloat16
+    from fastoptim.rules.muon import ns_dtype_for
+    return ns_dtype_for(opts.get("ns_dtype")) == torch.bfloat16
 
 
 # Muon with bf16 Newton-Schulz against ReferenceMuon (torch's loop, the same bf16 products): the two lay a tall

@@ -85,10 +85,10 @@ class ReferenceMuon(torch.optim.Muon):
 
     def __init__(self, params, *args, ns_dtype: torch.dtype | str | None = None, ns_method: str = "auto",
                  **kwargs):
-        from fastoptim.rules.muon import NS_DTYPES, fast_matmul_dtype
+        from fastoptim.rules.muon import ns_dtype_for
 
         super().__init__(params, *args, **kwargs)
-        self.ns_dtype = NS_DTYPES.get(ns_dtype, ns_dtype) or fast_matmul_dtype("cpu")
+        self.ns_dtype = ns_dtype_for(ns_dtype)
         self.ns_method = ns_method
 
     @torch.no_grad()

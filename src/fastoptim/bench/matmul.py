@@ -59,10 +59,9 @@ def method_label(shapes: list[tuple[int, ...]], steps: int, coefficients, method
 def settings_flops(shapes: list[tuple[int, ...]], settings: dict, device="cpu") -> tuple[int, str, torch.dtype]:
     """(FLOPs per step, method label, dtype) of Newton-Schulz with ``settings`` (``runner.NS_OPTIONS``) on
     ``shapes``, in the dtype it runs in on ``device`` (``ns_dtype`` None: ``fast_matmul_dtype``)."""
-    from ..rules.muon import NS_DTYPES
+    from ..rules.muon import ns_dtype_for
 
-    dtype = NS_DTYPES.get(settings["ns_dtype"], settings["ns_dtype"]) or ns.fast_matmul_dtype(
-        torch.device(device).type)
+    dtype = ns_dtype_for(settings["ns_dtype"], torch.device(device).type)
     how = (shapes, settings["ns_steps"], settings["ns_coefficients"], settings["ns_method"], dtype)
     return newton_schulz_flops(*how), method_label(*how), dtype
 

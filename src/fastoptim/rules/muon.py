@@ -35,12 +35,17 @@ from ..eager import eager
 from . import newton_schulz as ns
 from .adam import AdamRule
 from .base import Elementwise, PerTensor, Rule, _number, check_bool, check_nonnegative, register
-# (fast_matmul_dtype: what ns_dtype=None takes; the bench, the oracles and the tests read it from here)
+# (fast_matmul_dtype: what ns_dtype=None takes, ``ns_dtype_for``; the tests read it from here too)
 from .newton_schulz import fast_matmul_dtype, newton_schulz  # noqa: F401
 
 NS_DTYPES = {None: None, "float32": torch.float32, "bfloat16": torch.bfloat16}
 ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
 MATRICES = ("auto", "batch", "flatten")
+
+
+def ns_dtype_for(setting, device_type: str = "cpu") -> torch.dtype:
+    """The dtype ``ns_dtype=setting`` (a name, a dtype, or None) multiplies in on ``device_type``."""
+    return NS_DTYPES.get(setting, setting) or fast_matmul_dtype(device_type)
 
 
 def muon_momentum(p, g, momentum_buffer, update,

@@ -29,7 +29,7 @@ import torch
 
 from .base import Elementwise, PerTensor, check_nonnegative, check_unit_interval, register
 from .declared import ReferenceLoop, reference_newton_schulz
-from .muon import NS_DTYPES, MuonRule, fast_matmul_dtype, lr_ratio, muon_apply, muon_momentum, newton_schulz
+from .muon import MuonRule, lr_ratio, muon_apply, muon_momentum, newton_schulz, ns_dtype_for
 
 ORIGINAL_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # the authors' (Muon's quintic)
 
@@ -163,7 +163,7 @@ class ReferenceNorMuon(ReferenceLoop):
                                       nesterov=nesterov, ns_coefficients=ns_coefficients, eps=eps, ns_steps=ns_steps,
                                       adjust_lr_fn=adjust_lr_fn, norm_eps=norm_eps, maximize=maximize),
                          compute_dtype)
-        self.ns_dtype = NS_DTYPES.get(ns_dtype, ns_dtype) or fast_matmul_dtype("cpu")
+        self.ns_dtype = ns_dtype_for(ns_dtype)
         self.ns_method = ns_method
 
     def _newton_schulz(self, u, group):
