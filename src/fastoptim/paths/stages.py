@@ -14,9 +14,15 @@
 On sharded params (FSDP2, HSDP) a per-tensor stage runs each whole tensor on one rank of its shard group, or
 on each rank's own rows where the stage declares whole dim-0 slices enough (``sharded``).
 
-Grads are scaled (GradScaler, clipping) once, into temporaries, by the dispatcher before the first stage. Scratch
-tensors live in the bucket's cache (the step plan makes a new bucket, and cache, whenever a param's layout
-changes), one buffer per shape group: a per-tensor stage takes a group's scratch as it is, with no stacking copy.
+Grads are scaled (GradScaler, clipping) once, into temporaries, by the dispatcher before the first stage.
+
+Scratch tensors live only while their params step. A rule with scratch runs all its stages over one *chunk* of
+the bucket after another: shape groups packed up to ``SCRATCH_CHUNK_BYTES`` of scratch (more on a GPU), a larger
+group in runs of as many tensors as fit (at least one). Each chunk's scratch is made for it, one buffer per shape
+group (a per-tensor stage takes a group's scratch as it is, with no stacking copy), and freed after it. So scratch
+adds nothing to the memory held between steps, and at most a chunk's worth to the step's peak, where a scratch as
+large as the params would double a Muon's or LAMB's state. On sharded params the bucket is one chunk: every rank
+must run the same exchanges in the same order, and their local shapes differ.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ import torch
 from torch import Tensor
 
 from . import sharded
-from .base import Bucket, Path, StepContext, compiled_scalars
+from .base import Bucket, Path, StepContext, compiled_scalars, subset
 from .record import took
 
 
@@ -49,23 +55,49 @@ def stage_rule(rule, index: int) -> StageRule:
     return StageRule(rule, index, rule.stages[index])
 
 
-def _scratch(bucket: Bucket, names: tuple[str, ...]) -> tuple[dict[str, list[Tensor]], dict[tuple, Tensor]]:
-    """Per scratch name, one tensor per param (views of one buffer per shape group), and those buffers by
-    (name, the group's indices)."""
-    made = bucket.cache.get("stage_scratch")
-    if made is None or any(t.shape != p.shape or t.dtype != p.dtype or t.device != p.device
-                           for t, p in zip(made[0][names[0]] if names else (), bucket.params)):
-        views: dict[str, list] = {name: [None] * len(bucket.params) for name in names}
-        buffers = {}
-        for members in shape_groups({"param": bucket.params}, ("param",)):
-            p = bucket.params[members[0]]
-            for name in names:
-                buffers[name, tuple(members)] = buffer = torch.empty((len(members), *p.shape), dtype=p.dtype,
-                                                                     device=p.device)
-                for i, view in zip(members, buffer.unbind(0)):
-                    views[name][i] = view
-        made = bucket.cache["stage_scratch"] = (views, buffers)
-    return made
+# a chunk's scratch (all its names together) stays under this many bytes, unless a single tensor's is larger. On
+# the CPU: large enough that same-shape matrices still batch (4 x 1024^2 fp32 is 16 MiB), small enough that a
+# Muon step peaks no higher than torch.optim.Muon's one matrix at a time. On a GPU, larger: a batched product
+# fills the device only with more matrices, and 256 MiB is a small part of its memory.
+SCRATCH_CHUNK_BYTES = 16 << 20
+SCRATCH_CHUNK_BYTES_GPU = 256 << 20
+
+
+def chunks(params: list[Tensor], n_scratch: int, whole: bool = False) -> list[list[int]]:
+    """The bucket's params in chunks that each step with their own scratch (module docstring): shape groups in
+    order of their first param, packed up to ``SCRATCH_CHUNK_BYTES`` (``_GPU`` off the CPU); ``whole``: one
+    chunk."""
+    if whole or not n_scratch or not params:
+        return [list(range(len(params)))]
+    budget = SCRATCH_CHUNK_BYTES if params[0].device.type == "cpu" else SCRATCH_CHUNK_BYTES_GPU
+    out, current, size = [], [], 0
+    for members in shape_groups({"param": params}, ("param",)):
+        p = params[members[0]]
+        each = p.numel() * p.element_size() * n_scratch
+        fit = max(1, budget // each) if each else len(members)
+        for start in range(0, len(members), fit):
+            run = members[start:start + fit]
+            if current and size + each * len(run) > budget:
+                out.append(sorted(current))
+                current, size = [], 0
+            current += run
+            size += each * len(run)
+    return out + [sorted(current)] if current else out
+
+
+def _scratch(params: list[Tensor], names: tuple[str, ...]) -> tuple[dict[str, list[Tensor]], dict[tuple, Tensor]]:
+    """New scratch for ``params``: per name, one tensor per param (views of one buffer per shape group), and
+    those buffers by (name, the group's indices)."""
+    views: dict[str, list] = {name: [None] * len(params) for name in names}
+    buffers = {}
+    for members in shape_groups({"param": params}, ("param",)):
+        p = params[members[0]]
+        for name in names:
+            buffers[name, tuple(members)] = buffer = torch.empty((len(members), *p.shape), dtype=p.dtype,
+                                                                 device=p.device)
+            for i, view in zip(members, buffer.unbind(0)):
+                views[name][i] = view
+    return views, buffers
 
 
 class Stages(Path):
@@ -74,17 +106,28 @@ class Stages(Path):
     records = False  # each per-tensor stage reports itself, each elementwise stage through its own path
 
     def run(self, part: Bucket, ctx: StepContext) -> None:
+        rule = ctx.rule
+        pieces = part.cache.get("stage_chunks")
+        if pieces is None or part.transient:  # (fixed while the cache lives: the plan's buckets keep their params)
+            pieces = part.cache["stage_chunks"] = chunks(part.params, len(rule.scratch), part.sharded is not None)
+        for indices in pieces:
+            self._run_chunk(part if len(pieces) == 1 else subset(
+                part, indices, part.cache.setdefault(("stage_chunk", tuple(indices)), {})), ctx)
+
+    @staticmethod
+    def _run_chunk(part: Bucket, ctx: StepContext) -> None:
         rule, impl, scalars, flags = ctx.rule, ctx.impl, ctx.scalars, ctx.flags
         params = part.params
         tensors: dict[str, list | None] = {"param": params, "grad": part.grads}
         tensors.update(zip(rule.state_names, part.states))
-        scratch, stacked = _scratch(part, rule.scratch)
+        scratch, stacked = _scratch(params, rule.scratch)
         tensors.update(scratch)
         for index, stage in enumerate(rule.stages):
             if hasattr(stage, "update"):
                 lists = [tensors[name] for name in stage.tensors]
+                # (scratch is new each chunk and step: a path keeps only what holds for new tensors alike)
                 one = Bucket(params, tensors["grad"], lists, part.cache.setdefault(("stage", index), {}),
-                             transient=part.transient)
+                             transient=part.transient or bool(rule.scratch))
                 ctx.run_plain(one, ctx.but(rule=stage_rule(rule, index), grad_mul=None))
             elif part.sharded is not None:
                 sharded.per_tensor(impl, stage, tensors, scalars, flags, part.sharded,

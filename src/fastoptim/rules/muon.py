@@ -145,11 +145,12 @@ def _matrix_blocks(shape: tuple, matrices: str, split) -> MatrixBlocks:
 
 @eager  # shape logic in Python around eager products: compiled, each shape would guard a graph of its own
 def orthogonalise(update, coefficients: tuple, eps, method: str, dtype, adjust_lr_fn, matrices: str = "auto",
-                  split=None):
+                  split=None, overwrite: bool = False):
     """Each block of each matrix of the batch ``update`` (n, *shape) orthogonalised on its own and times its
     own lr ratio, in ``update``'s shape: ``newton_schulz`` (the iterations ``coefficients``, one (a, b, c) each,
-    by ``method``) once per block shape. Blocks that fill their matrices
-    go in as views (no copy but ``newton_schulz``'s own); blocks of one height at several offsets are gathered."""
+    by ``method``) once per block shape. Blocks that fill their matrices go in as views (no copy but
+    ``newton_schulz``'s own); blocks of one height at several offsets are gathered. ``overwrite``: ``update`` is
+    the caller's scratch, and a result in its dtype is written into it (no second tensor of its size)."""
     layout = _matrix_blocks(tuple(update.shape[1:]), matrices, split)  # (the flags: checked)
     n, rows, cols = len(update) * layout.count, layout.rows, layout.cols  # (sizes given: some may be 0)
     x = update.reshape(n, rows, cols)  # (a view of a contiguous batch)
@@ -157,9 +158,12 @@ def orthogonalise(update, coefficients: tuple, eps, method: str, dtype, adjust_l
         height, offsets = layout.blocks[0]
         out = newton_schulz(x.reshape(n * len(offsets), height, cols), coefficients, eps, dtype, method)
         ratio = lr_ratio(height, cols, adjust_lr_fn)
-        out = out if ratio == 1 else out.to(update.dtype).mul_(ratio)  # (``out`` is newton_schulz's own)
-        return out.reshape(update.shape)
-    result = torch.empty(update.shape, dtype=update.dtype, device=update.device)
+        if ratio == 1:
+            return out.reshape(update.shape)  # (``out`` is newton_schulz's own)
+        # converted, then scaled in the update's dtype
+        return (update.copy_(out.view(update.shape)) if overwrite else out.to(update.dtype)).mul_(ratio)
+    # (each block's rows are read, into newton_schulz's own copy, before any block's result is written)
+    result = update if overwrite else torch.empty(update.shape, dtype=update.dtype, device=update.device)
     into = result.view(n, rows, cols)
     for height, offsets in layout.blocks:
         pieces = [x[:, o:o + height] for o in offsets]
@@ -177,7 +181,8 @@ def orthogonalise(update, coefficients: tuple, eps, method: str, dtype, adjust_l
 def muon_orthogonalise(update, eps, lr, decay_factor, one_minus_momentum, momentum,
                        NESTEROV, NS_COEFFICIENTS, NS_METHOD, NS_DTYPE, ADJUST_LR_FN, MAXIMIZE, MATRICES, SPLIT):
     """The orthogonalised update times each block's lr ratio (in the update's dtype; 1 needs no pass)."""
-    return (orthogonalise(update, NS_COEFFICIENTS, eps, NS_METHOD, NS_DTYPE, ADJUST_LR_FN, MATRICES, SPLIT),)
+    return (orthogonalise(update, NS_COEFFICIENTS, eps, NS_METHOD, NS_DTYPE, ADJUST_LR_FN, MATRICES, SPLIT,
+                          overwrite=True),)  # (``update`` is scratch, or a stacked copy of it)
 
 
 def muon_apply(p, g, update, eps, lr, decay_factor, one_minus_momentum, momentum,

@@ -193,27 +193,43 @@ def newton_schulz(x, coefficients: tuple, eps, dtype, method: str = "standard"):
     ``coefficients`` (one (a, b, c) each), in ``dtype`` (None: the device's ``fast_matmul_dtype``). ``method``:
     "standard", "gram" or "auto" (module docstring). Returns a new tensor in ``dtype``."""
     dtype = dtype or fast_matmul_dtype(x.device.type)
-    x = x.to(dtype, copy=True)  # our own: normalised in place
-    x.div_(x.norm(dim=(-2, -1), keepdim=True).clamp(min=eps))
     if not coefficients or not x.numel():
-        return x
-    if resolve_method(method, x.shape[-2], x.shape[-1], coefficients, dtype) == "gram":
-        return _gram(x, coefficients)
-    return _standard(x, coefficients)
+        return _normalised(x, dtype, eps)
+    run = _gram if resolve_method(method, x.shape[-2], x.shape[-1], coefficients, dtype) == "gram" else _standard
+    # (the normalised copy goes straight in as an argument: no frame here keeps it alive once the iterations
+    # have moved on from it)
+    if len(x) == 1 and dtype in (torch.bfloat16, torch.float16) and x.device.type == "cpu":
+        # one matrix in bf16: 2-D products (oneDNN took a slow path for a batch of one times a transposed view, 2-3x
+        # the time of the same ``mm``), which round as batched ones do in bf16 (in fp32, MKL's ``mm`` rounds small
+        # matrices apart from its batched products, and a batch of one is as fast). Normalised as a batch: a norm
+        # over a matrix's two dims may sum in another order than over a batch's last two.
+        return run(_normalised(x, dtype, eps)[0], coefficients).unsqueeze(0)
+    return run(_normalised(x, dtype, eps), coefficients)
+
+
+def _normalised(x, dtype, eps):
+    """A copy of ``x`` in ``dtype``, each matrix divided by its Frobenius norm (at least ``eps``)."""
+    x = x.to(dtype, copy=True)
+    return x.div_(x.norm(dim=(-2, -1), keepdim=True).clamp(min=eps))
+
+
+def _addmm(input, a, b, beta, alpha=1.0):
+    """beta * input + alpha * (a @ b), for one matrix or a batch."""
+    return (torch.addmm if input.dim() == 2 else torch.baddbmm)(input, a, b, beta=beta, alpha=alpha)
 
 
 def _standard(x, coefficients: tuple):
     """torch iterates on a tall matrix's transpose, X^T <- a X^T + (b A + c A^2) X^T with A = X^T X; transposed
     back, that is X <- a X + X (b A + c A^2): the same products on the matrix as it lies, with no transposing copy
-    of X in or out (``baddbmm`` is ``addmm`` batched: the scaling and the sum in the product's own pass)."""
+    of X in or out (``addmm``: the scaling and the sum in the product's own pass). ``x``: a matrix or a batch."""
     tall = x.shape[-2] > x.shape[-1]
     for a, b, c in coefficients:
         if tall:
             gram = x.mT @ x
-            x = torch.baddbmm(x, x, torch.baddbmm(gram, gram, gram, beta=b, alpha=c), beta=a)
+            x = _addmm(x, x, _addmm(gram, gram, gram, beta=b, alpha=c), beta=a)
         else:
             gram = x @ x.mT
-            x = torch.baddbmm(x, torch.baddbmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+            x = _addmm(x, _addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
     return x
 
 
@@ -235,7 +251,7 @@ def _gram(x, coefficients: tuple):
         if i in starts:  # the iterate from X itself
             x = apply(q, x)
             r, q = gram_of(x), None
-        poly = torch.baddbmm(r, r, r, beta=b, alpha=c)
+        poly = _addmm(r, r, r, beta=b, alpha=c)
         poly.diagonal(dim1=-2, dim2=-1).add_(a)  # B = a I + b R + c R^2
         q = poly if q is None else poly @ q
         if i + 1 < len(coefficients) and i + 1 not in starts:
