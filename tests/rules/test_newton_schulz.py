@@ -149,3 +149,32 @@ def test_polar_express_by_gram_in_bf16_is_closer_than_torch_muon_on_gradient_lik
     assert _polar_distance(x, gram) < _polar_distance(x, torch_out)
     assert _worst_singular_value(gram) < 0.7 * _worst_singular_value(torch_out)
     assert _worst_singular_value(gram) < 1.15 * _worst_singular_value(standard)
+
+
+@pytest.mark.parametrize("method", ["standard", "gram"])
+@pytest.mark.parametrize("shape", [(3, 24, 40), (3, 40, 24), (4, 96, 96)])
+def test_bf16_batches_one_by_one_on_one_thread_round_as_batched_and_as_matrices_alone(shape, method, monkeypatch):
+    """On the CPU in bf16, one thread runs a batch one matrix after another in 2-D (faster there), more threads
+    batched, and a lone matrix in 2-D: all three give the same bits."""
+    ran = []
+    real = ns._one_by_one
+    monkeypatch.setattr(ns, "_one_by_one", lambda *args: ran.append(1) or real(*args))
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(shape, generator=g)
+    steps = ns.schedule("polar_express", 5)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        batched = ns.newton_schulz(x, steps, 1e-7, torch.bfloat16, method)
+        assert not ran
+        torch.set_num_threads(1)
+        one_by_one = ns.newton_schulz(x, steps, 1e-7, torch.bfloat16, method)
+        assert ran
+        alone = torch.cat([ns.newton_schulz(m[None], steps, 1e-7, torch.bfloat16, method) for m in x])
+        fp32 = ns.newton_schulz(x, steps, 1e-7, torch.float32, method)
+        assert len(ran) == 1  # (fp32, and lone matrices: not one by one)
+    finally:
+        torch.set_num_threads(threads)
+    assert batched.dtype == one_by_one.dtype == torch.bfloat16
+    assert torch.equal(batched, one_by_one) and torch.equal(batched, alone)
+    assert (batched.float() - fp32).abs().max() < 0.05  # (and it is the orthogonalisation)
