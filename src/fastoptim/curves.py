@@ -18,6 +18,8 @@ of the final loss (the mean over the last tenth of the steps, so one batch does 
 
 from __future__ import annotations
 
+import inspect
+
 from dataclasses import dataclass, field
 
 import torch
@@ -78,6 +80,34 @@ def references(spec: registry.OptimizerSpec) -> list[tuple[str, dict]]:
 PARAM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
+def parse_variant(text: str) -> tuple[str, dict]:
+    """``registry.parse_variant``, and each option one that the variant's reference runs take too (each curve is
+    compared with its reference's): ValueError naming those it does not, and those it does."""
+    name, options = registry.parse_variant(text)
+    spec = registry.get(name)
+    cls = reference_class(spec)
+    taken = _keywords(cls)
+    refused = [key for key in options if key not in taken]
+    if refused:
+        shared = ", ".join(k for k in spec.rule.defaults if k in taken)
+        raise ValueError(f"{text!r}: its reference ({cls.__name__}) takes no option {', '.join(map(repr, refused))}"
+                         f"; a {name} variant takes: {shared}")
+    return name, options
+
+
+def _keywords(cls) -> set[str]:
+    """The keyword arguments ``cls(...)`` takes: its ``__init__``'s, and its bases' where that passes **kwargs on."""
+    names: set[str] = set()
+    for klass in cls.__mro__:
+        if "__init__" not in vars(klass):
+            continue
+        parameters = inspect.signature(klass.__init__).parameters.values()
+        names.update(p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
+        if not any(p.kind == p.VAR_KEYWORD for p in parameters):
+            break
+    return names - {"self", "params"}
+
+
 def _optimizer_kwargs(name: str, lr: float | None = None, options: dict | None = None) -> dict:
     """The rule's settings on this task, ``lr`` over its lr, then a variant's own ``options`` over both."""
     kwargs = dict(registry.get(name).cls.rule.curves_options)
@@ -133,7 +163,7 @@ def run(optimizers: list[str], impls: list[str], flat_impls: list[str], steps: i
         seed: int = 0, progress=lambda: None, state_bits=(), roundings=(), lr: float | None = None) -> list[Curve]:
     """The references' curves and every run of ``precision_runs`` for each optimizer; ``lr`` replaces each
     optimizer's default learning rate (``LEARNING_RATES``). An optimizer may be a variant with options of its
-    own, ``muon[ns_coefficients=polar_express,ns_method=gram]`` (``registry.parse_variant``): its references
+    own, ``muon[ns_coefficients=polar_express,ns_method=gram]`` (``parse_variant``): its references
     and levels all take them, and its curves carry that text as their optimizer. A rule whose states are not
     param-shaped (NorMuon, Adafactor) gets no flat runs (flat=True refuses it)."""
     for bits in state_bits:
@@ -142,7 +172,7 @@ def run(optimizers: list[str], impls: list[str], flat_impls: list[str], steps: i
         storage.rounding.check_rounding(rounding)
     if lr is not None and not lr > 0:
         raise ValueError(f"Invalid learning rate: {lr!r} (must be > 0)")
-    variants = [(text, *registry.parse_variant(text)) for text in optimizers]  # (every name checked first)
+    variants = [(text, *parse_variant(text)) for text in optimizers]  # (every name checked first)
     curves = []
     for name, rule_name, options in variants:
         spec = registry.get(rule_name)

@@ -243,6 +243,24 @@ def test_curves_variant_options_reach_the_optimizer_and_its_reference(tmp_path, 
     assert "Invalid ns_method: 'fast'" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("variant,refused", [
+    ("muon[use_muon=False]", "'use_muon'"), ("muon[betas=(0.8, 0.9)]", "'betas'"),
+    ("muon[split=2,amsgrad=True]", "'split', 'amsgrad'")])
+def test_curves_refuses_variant_options_its_reference_cannot_take(variant, refused, capsys):
+    """A variant's options go to its reference run too: options the recipe sets itself (``use_muon``), the AdamW
+    groups' (``betas``) and options the reference lacks (``split``) are refused up front, each named, with the
+    ones a variant takes."""
+    from fastoptim import curves
+
+    with pytest.raises(ValueError, match=f"takes no option {refused}; a muon variant takes: lr, "):
+        curves.parse_variant(variant)
+    with pytest.raises(SystemExit):
+        main(["curves", "-o", variant])
+    assert "ReferenceMuon" in capsys.readouterr().err
+    assert curves.parse_variant("muon[ns_dtype=float32,ns_method=gram]") == (
+        "muon", {"ns_dtype": "float32", "ns_method": "gram"})
+
+
 def test_curves_refuses_a_bad_lr(capsys):
     assert main(["curves", "--lr", "0"]) == 2
     assert "--lr must be > 0" in capsys.readouterr().err

@@ -46,9 +46,9 @@ def add_parser(sub) -> None:
 
 
 def _variant(text: str) -> str:
-    """An optimizer's name or ``name[key=value,...]`` (``registry.parse_variant``), checked; kept as written."""
+    """An optimizer's name or ``name[key=value,...]`` (``curves.parse_variant``), checked; kept as written."""
     try:
-        registry.parse_variant(text)
+        curves.parse_variant(text)
     except ValueError as e:  # argparse shows an ArgumentTypeError's own words
         raise argparse.ArgumentTypeError(str(e)) from None
     return text.strip()
