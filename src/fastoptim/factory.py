@@ -64,7 +64,7 @@ def output_heads(model: torch.nn.Module) -> list[torch.nn.Parameter]:
                   "and none is named like an output head: all stay on Muon; pass head= (the head's module or "
                   "weight, or () for none) to say which")
         return named
-    return _classifier_head(linears)
+    return _classifier_head(model, linears)
 
 
 def _warn(message: str) -> None:
@@ -79,19 +79,26 @@ def _shown(name: str) -> str:
     return repr(name) if name else "the model itself"
 
 
-def _classifier_head(linears: list[tuple[str, torch.nn.Linear]]) -> list[torch.nn.Parameter]:
-    """A model without a language model's head: its Linears named like a head, else its last Linear (Muon would
-    orthogonalise the logits' weights, which the recipe keeps on AdamW)."""
-    named = [(name, m) for name, m in linears if _named_like_head(name)]
+def _classifier_head(model: torch.nn.Module, linears: list[tuple[str, torch.nn.Linear]]) -> list[torch.nn.Parameter]:
+    """A model without a language model's head: its Linears and convolutions named like a head (a conv classifier,
+    as in SqueezeNet or a segmentation net), else its last Linear, else (an all-conv net) its last convolution.
+    Muon would orthogonalise the logits' weights, which the recipe keeps on AdamW."""
+    convs = [(name, m) for name, m in model.named_modules() if isinstance(m, torch.nn.modules.conv._ConvNd)]
+    layers = sorted(linears + convs, key=lambda item: _order(model)[item[0]])
+    named = [(name, m) for name, m in layers if _named_like_head(name)]
     say = "pass head= (the head's module or weight, or () for none) to say which"
     if len(named) > 1:
-        _warn(f"muon_groups: {len(named)} Linears are named like an output head "
+        _warn(f"muon_groups: {len(named)} layers are named like an output head "
               f"({', '.join(_shown(n) for n, _ in named)}): all are taken as output heads and stepped by AdamW; {say}")
-    elif not named and linears:
-        named = linears[-1:]
-        _warn(f"muon_groups: no Linear is named like an output head or tied to an embedding: the last one "
+    elif not named and (linears or convs):
+        named, kind = (linears[-1:], "Linear") if linears else (convs[-1:], "convolution")
+        _warn(f"muon_groups: no layer is named like an output head or tied to an embedding: the last {kind} "
               f"registered, {_shown(named[0][0])}, is taken as the output head and stepped by AdamW; {say}")
     return [m.weight for _, m in named]
+
+
+def _order(model: torch.nn.Module) -> dict[str, int]:
+    return {name: i for i, (name, _) in enumerate(model.named_modules())}
 
 
 def _takes_muon(p: torch.Tensor) -> bool:

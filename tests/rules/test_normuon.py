@@ -214,7 +214,7 @@ def test_use_muon_false_groups_step_with_adamw_and_create_builds_the_recipe():
     groups = opt.param_groups
     assert [g["use_muon"] for g in groups] == [True, False, False]
     assert [tuple(p.shape) for p in groups[0]["params"]] == [(16, 6), (12, 16)]
-    with pytest.warns(UserWarning, match="the last one registered, '4', is taken as the output head"):
+    with pytest.warns(UserWarning, match="the last Linear registered, '4', is taken as the output head"):
         ref = ReferenceMuonRecipe(ref_m, lr=0.02, adamw_lr=1e-2, weight_decay=0.05, reference=ReferenceNorMuon,
                                   ns_dtype="float32", compute_dtype=None)
     x = torch.randn(32, 6, generator=torch.Generator().manual_seed(1))

@@ -176,9 +176,9 @@ def test_mlp_last_linear_goes_to_adamw_with_a_warning_naming_it():
     _check(model, opt, [model[0].weight, model[2].weight])
     assert len(caught) == 1
     message = str(caught[0].message)
-    assert "last one registered, '4'" in message and "head=" in message
+    assert "last Linear registered, '4'" in message and "head=" in message
     assert caught[0].filename == __file__  # points at the caller's create() line
-    with pytest.warns(UserWarning, match="last one registered, '4'") as direct:
+    with pytest.warns(UserWarning, match="last Linear registered, '4'") as direct:
         assert _split(fastoptim.factory.muon_groups(model)) == _split(opt.param_groups)
     assert direct[0].filename == __file__  # and at a muon_groups() caller's
 
@@ -205,8 +205,32 @@ def test_several_linears_named_like_a_head_all_go_to_adamw_with_a_warning_naming
     opt, caught = _create(model)
     _check(model, opt, [model.features[0].weight])  # every Linear is in the head: only the conv on Muon
     assert len(caught) == 1  # the guess
-    assert "3 Linears are named like an output head ('classifier.0', 'classifier.2', 'classifier.4')" \
+    assert "3 layers are named like an output head ('classifier.0', 'classifier.2', 'classifier.4')" \
         in str(caught[0].message)
+
+
+class SqueezeNetLike(nn.Module):
+    """torchvision's SqueezeNet layout: no Linear at all; the ``classifier`` is a 1x1 convolution to the classes."""
+    def __init__(self, classes=10):
+        super().__init__()
+        self.features = nn.Sequential(nn.Conv2d(3, 16, 3), nn.ReLU(), nn.Conv2d(16, 16, 3), nn.ReLU())
+        self.classifier = nn.Sequential(nn.Dropout(), nn.Conv2d(16, classes, 1), nn.ReLU(),
+                                        nn.AdaptiveAvgPool2d(1))
+
+
+def test_a_conv_classifier_named_like_a_head_goes_to_adamw_without_a_warning():
+    model = SqueezeNetLike()
+    opt, caught = _create(model)
+    _check(model, opt, [model.features[0].weight, model.features[2].weight])
+    assert not caught, [str(w.message) for w in caught]
+
+
+def test_an_all_conv_net_takes_its_last_conv_as_the_head_with_a_warning_naming_it():
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Conv2d(8, 8, 3), nn.ReLU(), nn.Conv2d(8, 4, 1))
+    opt, caught = _create(model)
+    _check(model, opt, [model[0].weight, model[2].weight])
+    assert len(caught) == 1 and "the last convolution registered, '4', is taken as the output head" in str(
+        caught[0].message)
 
 
 def test_head_says_it_outright_without_a_warning():
