@@ -54,6 +54,10 @@ def test_chunks_pack_shape_groups_in_order_and_split_groups_larger_than_the_budg
     assert stages.chunks(params, 1, whole=True) == [list(range(8))]
     monkeypatch.setattr(stages, "SCRATCH_CHUNK_BYTES", 1 << 20)
     assert stages.chunks(params, 1) == [list(range(8))]
+    # off the CPU, the GPU's budget (a meta tensor stands in for a CUDA one)
+    monkeypatch.setattr(stages, "SCRATCH_CHUNK_BYTES_GPU", 1000)
+    on_device = [p.to("meta") for p in params]
+    assert stages.chunks(on_device, 1) == [[0, 2], [1, 4, 6, 7], [3], [5]]
 
 
 @pytest.mark.parametrize("bits", [32, 8])
