@@ -87,6 +87,8 @@ def parse_variant(text: str) -> tuple[str, dict]:
     spec = registry.get(name)
     cls = reference_class(spec)
     taken = _keywords(cls)
+    if spec.params == "matrices":  # (the recipe's reference lays out a param's matrices itself)
+        taken |= {key for key, _ in ReferenceMuonRecipe.LAYOUT}
     refused = [key for key in options if key not in taken]
     if refused:
         shared = ", ".join(k for k in spec.rule.defaults if k in taken)

@@ -80,25 +80,29 @@ def _shown(name: str) -> str:
 
 
 def _classifier_head(model: torch.nn.Module, linears: list[tuple[str, torch.nn.Linear]]) -> list[torch.nn.Parameter]:
-    """A model without a language model's head: its Linears and convolutions named like a head (a conv classifier,
-    as in SqueezeNet or a segmentation net), else its last Linear, else (an all-conv net) its last convolution.
-    Muon would orthogonalise the logits' weights, which the recipe keeps on AdamW."""
-    convs = [(name, m) for name, m in model.named_modules() if isinstance(m, torch.nn.modules.conv._ConvNd)]
-    layers = sorted(linears + convs, key=lambda item: _order(model)[item[0]])
-    named = [(name, m) for name, m in layers if _named_like_head(name)]
+    """A model without a language model's head: its Linears named like a head, and its last layer where that is a
+    convolution named like a head (a conv classifier, as SqueezeNet's or a segmentation net's: earlier convs under
+    such a name, an ASPP or a detection tower, are hidden layers); else its last Linear; else (a net of
+    convolutions only) its last convolution. Muon would orthogonalise the logits' weights, which the recipe keeps
+    on AdamW."""
+    last_conv, last_is_conv = None, False
+    for name, m in model.named_modules():  # (one pass: registration order)
+        if isinstance(m, torch.nn.modules.conv._ConvNd):
+            last_conv, last_is_conv = (name, m), True
+        elif isinstance(m, torch.nn.Linear):
+            last_is_conv = False
+    named = [(name, m) for name, m in linears if _named_like_head(name)]
+    if last_is_conv and _named_like_head(last_conv[0]):
+        named.append(last_conv)
     say = "pass head= (the head's module or weight, or () for none) to say which"
     if len(named) > 1:
         _warn(f"muon_groups: {len(named)} layers are named like an output head "
               f"({', '.join(_shown(n) for n, _ in named)}): all are taken as output heads and stepped by AdamW; {say}")
-    elif not named and (linears or convs):
-        named, kind = (linears[-1:], "Linear") if linears else (convs[-1:], "convolution")
+    elif not named and (linears or last_conv):
+        named, kind = ([linears[-1]], "Linear") if linears else ([last_conv], "convolution")
         _warn(f"muon_groups: no layer is named like an output head or tied to an embedding: the last {kind} "
               f"registered, {_shown(named[0][0])}, is taken as the output head and stepped by AdamW; {say}")
     return [m.weight for _, m in named]
-
-
-def _order(model: torch.nn.Module) -> dict[str, int]:
-    return {name: i for i, (name, _) in enumerate(model.named_modules())}
 
 
 def _takes_muon(p: torch.Tensor) -> bool:

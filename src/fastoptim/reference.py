@@ -134,6 +134,10 @@ class ReferenceMuonRecipe:
     batch of matrices, ``split``) is stepped as its ``matrix_views``, each a param of the oracle's own that shares
     the param's memory."""
 
+    # the group options it takes itself (how a param's matrices are laid out), with their defaults; the rest of
+    # ``muon_kwargs`` go to ``reference``
+    LAYOUT = (("matrices", "auto"), ("split", None))
+
     def __init__(self, model, lr=1e-3, adamw_lr=3e-4, adamw_betas=(0.9, 0.95), adamw_eps=1e-8,
                  weight_decay=0.1, reference=ReferenceMuon, **muon_kwargs):
         from fastoptim.factory import muon_groups
@@ -145,8 +149,7 @@ class ReferenceMuonRecipe:
         for group in muon_groups(model, weight_decay, adamw_lr, adamw_betas, adamw_eps, batched=batched):
             params = group.pop("params")
             if group.pop("use_muon", True):
-                layout = {k: group.pop(k, muon_kwargs.get(k, default)) for k, default in
-                          (("matrices", "auto"), ("split", None))}
+                layout = {k: group.pop(k, muon_kwargs.get(k, default)) for k, default in self.LAYOUT}
                 kwargs = {k: v for k, v in muon_kwargs.items() if k not in layout}
                 stepped = []
                 for p in params:

@@ -245,11 +245,11 @@ def test_curves_variant_options_reach_the_optimizer_and_its_reference(tmp_path, 
 
 @pytest.mark.parametrize("variant,refused", [
     ("muon[use_muon=False]", "'use_muon'"), ("muon[betas=(0.8, 0.9)]", "'betas'"),
-    ("muon[split=2,amsgrad=True]", "'split', 'amsgrad'")])
+    ("muon[maximize=True,amsgrad=True]", "'maximize', 'amsgrad'")])
 def test_curves_refuses_variant_options_its_reference_cannot_take(variant, refused, capsys):
     """A variant's options go to its reference run too: options the recipe sets itself (``use_muon``), the AdamW
-    groups' (``betas``) and options the reference lacks (``split``) are refused up front, each named, with the
-    ones a variant takes."""
+    groups' (``betas``) and options torch.optim.Muon lacks (``maximize``) are refused up front, each named, with
+    the ones a variant takes; the recipe's reference lays out matrices itself (``split``, ``matrices``)."""
     from fastoptim import curves
 
     with pytest.raises(ValueError, match=f"takes no option {refused}; a muon variant takes: lr, "):
@@ -259,6 +259,7 @@ def test_curves_refuses_variant_options_its_reference_cannot_take(variant, refus
     assert "ReferenceMuon" in capsys.readouterr().err
     assert curves.parse_variant("muon[ns_dtype=float32,ns_method=gram]") == (
         "muon", {"ns_dtype": "float32", "ns_method": "gram"})
+    assert curves.parse_variant("muon[split=2,matrices=flatten]") == ("muon", {"split": 2, "matrices": "flatten"})
 
 
 def test_curves_refuses_a_bad_lr(capsys):

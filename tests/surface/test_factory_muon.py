@@ -225,6 +225,40 @@ def test_a_conv_classifier_named_like_a_head_goes_to_adamw_without_a_warning():
     assert not caught, [str(w.message) for w in caught]
 
 
+class DeepLabLike(nn.Module):
+    """torchvision's segmentation layout: a conv backbone, then a ``classifier`` whose first layers (an ASPP and a
+    3x3 conv) are hidden and whose last, a 1x1 conv, gives the classes."""
+    def __init__(self, classes=5):
+        super().__init__()
+        self.backbone = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU())
+        aspp = nn.Module()
+        aspp.convs = nn.ModuleList([nn.Sequential(nn.Conv2d(8, 8, 1)), nn.Sequential(nn.Conv2d(8, 8, 3))])
+        aspp.project = nn.Sequential(nn.Conv2d(16, 8, 1))
+        self.classifier = nn.Sequential(aspp, nn.Conv2d(8, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, classes, 1))
+
+
+def test_only_the_last_conv_of_a_segmentation_classifier_is_its_head():
+    model = DeepLabLike()
+    opt, caught = _create(model)
+    aspp = model.classifier[0]
+    _check(model, opt, [model.backbone[0].weight, aspp.convs[0][0].weight, aspp.convs[1][0].weight,
+                        aspp.project[0].weight, model.classifier[1].weight])
+    assert not caught, [str(w.message) for w in caught]
+
+
+def test_hidden_convs_named_out_stay_on_muon_where_a_linear_is_the_last_layer():
+    model = nn.Module()
+    model.blocks = nn.ModuleList()
+    for _ in range(2):
+        block = nn.Module()
+        block.inp, block.out = nn.Conv2d(4, 4, 3), nn.Conv2d(4, 4, 3)
+        model.blocks.append(block)
+    model.fc = nn.Linear(4, 3)
+    opt, caught = _create(model)
+    _check(model, opt, [m.weight for b in model.blocks for m in (b.inp, b.out)])
+    assert not caught, [str(w.message) for w in caught]
+
+
 def test_an_all_conv_net_takes_its_last_conv_as_the_head_with_a_warning_naming_it():
     model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Conv2d(8, 8, 3), nn.ReLU(), nn.Conv2d(8, 4, 1))
     opt, caught = _create(model)

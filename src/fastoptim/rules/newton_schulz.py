@@ -196,7 +196,7 @@ def newton_schulz(x, coefficients: tuple, eps, dtype, method: str = "standard"):
     if not coefficients or not x.numel():
         return _normalised(x, dtype, eps)
     run = _gram if resolve_method(method, x.shape[-2], x.shape[-1], coefficients, dtype) == "gram" else _standard
-    if dtype in (torch.bfloat16, torch.float16) and x.device.type == "cpu":  # 2-D products (``_one_by_one``)
+    if dtype == torch.bfloat16 and x.device.type == "cpu":  # 2-D products (``_one_by_one``)
         if len(x) == 1:  # (the normalised copy as an argument: freed once the iterations have moved on from it)
             return run(_normalised(x, dtype, eps)[0], coefficients).unsqueeze(0)
         if torch.get_num_threads() == 1:
