@@ -206,11 +206,11 @@ def newton_schulz(x, coefficients: tuple, eps, dtype, method: str = "standard"):
 
 def _one_by_one(run, x, coefficients: tuple):
     """``run`` on each matrix of ``x`` in 2-D, each result written over its input. In bf16 on the CPU, 2-D products
-    round as batched ones do (in fp32 MKL's ``mm`` rounds small matrices apart from its batched products), and:
-    * a batch of one times a transposed view took a slow path in oneDNN, 2-3x the time of the same ``mm``;
-    * on one thread, batched products took 1.2x the time of one matrix after another (4 x 1024^2: 180 ms against
-      148 for torch.optim.Muon's loop); on two, 0.75x (a batch splits its matrices over the threads).
-    (``newton_schulz`` normalises the batch as one: a norm over a matrix's two dims may sum in another order.)"""
+    round as batched ones do (in fp32 MKL's ``mm`` rounds small matrices apart from its batched products), and
+    oneDNN ran them faster: a batch of one times a transposed view took a slow path, and on one thread batched
+    products were slower than one matrix after another; on two, batches are faster (they split their matrices over
+    the threads). The measurements: docs/muon-adafactor.md. (``newton_schulz`` normalises the batch as one: a norm
+    over a matrix's two dims may sum in another order.)"""
     for i, matrix in enumerate(x):
         x[i] = run(matrix, coefficients)
     return x
